@@ -1,0 +1,143 @@
+//! The wire protocol between the filter and `idemstore`.
+//!
+//! Three operations, each one HTTP/1.1 or h2c `POST` round trip. Small scalars travel in
+//! headers; the only large value, the stored response, travels raw in the body (never base64).
+//! The record body is opaque to the store: it keeps the bytes the filter sent and returns them.
+//!
+//! | operation | request headers | request body | answer (`200`, outcome header) | answer body |
+//! |---|---|---|---|---|
+//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms | none | `record`, `locked` (+token), `busy`, `mismatch` | the record for `record` |
+//! | `POST /v1/commit` | key, token, body-hash, retention-s | the record | `stored`, `late`, `exists` | none |
+//! | `POST /v1/release` | key, token | none | `released`, `not-owner` | none |
+//!
+//! Any other status, or a `200` without a known outcome, is a store fault: the filter fails
+//! open (or closed, by configuration) and counts it.
+
+pub const PATH_BEGIN: &str = "/v1/begin";
+pub const PATH_COMMIT: &str = "/v1/commit";
+pub const PATH_RELEASE: &str = "/v1/release";
+pub const PATH_HEALTH: &str = "/healthz";
+
+/// The derived store key: 64 lowercase hex characters (SHA-256). Never the client's key.
+pub const HEADER_KEY: &str = "x-idem-key";
+/// SHA-256 of the request body, 64 lowercase hex characters.
+pub const HEADER_BODY_HASH: &str = "x-idem-body-hash";
+/// Lock time-to-live in milliseconds.
+pub const HEADER_LOCK_TTL_MS: &str = "x-idem-lock-ttl-ms";
+/// How long `begin` may wait for a held lock, in milliseconds (long-poll on the store side).
+pub const HEADER_WAIT_MS: &str = "x-idem-wait-ms";
+/// Record lifetime in seconds.
+pub const HEADER_RETENTION_S: &str = "x-idem-retention-s";
+/// The lock owner's token: returned by `begin` on `locked`, sent back by `commit`/`release`.
+pub const HEADER_TOKEN: &str = "x-idem-token";
+/// The operation's outcome, one of the outcome enums' wire names.
+pub const HEADER_OUTCOME: &str = "x-idem-outcome";
+
+pub const MAX_LOCK_TTL_MS: u64 = 3_600_000;
+pub const MAX_WAIT_MS: u64 = 60_000;
+pub const MAX_RETENTION_S: u64 = 604_800;
+pub const MAX_TOKEN_LEN: usize = 64;
+
+macro_rules! wire_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $wire:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub enum $name { $($(#[$vmeta])* $variant),+ }
+
+        impl $name {
+            pub fn as_str(self) -> &'static str {
+                match self { $(Self::$variant => $wire),+ }
+            }
+
+            pub fn parse(s: &[u8]) -> Option<Self> {
+                match s { $(x if x == $wire.as_bytes() => Some(Self::$variant),)+ _ => None }
+            }
+        }
+    };
+}
+
+wire_enum!(
+    /// What `begin` found.
+    BeginOutcome {
+        /// A record with the same body hash: the body is the record, replay it.
+        Record => "record",
+        /// No record, the lock is now held by the caller: the token header is set.
+        Locked => "locked",
+        /// Another request holds the lock and still did after the wait.
+        Busy => "busy",
+        /// A record exists for this key but for a different request body.
+        Mismatch => "mismatch",
+    }
+);
+
+wire_enum!(
+    /// What `commit` did. Whatever the outcome, a lock the token owned is released.
+    CommitOutcome {
+        /// The token owned the lock and the record is stored.
+        Stored => "stored",
+        /// The lock had expired (or was taken over) but no record existed: stored anyway.
+        Late => "late",
+        /// A record already existed and was kept: the first stored record wins.
+        Exists => "exists",
+    }
+);
+
+wire_enum!(
+    /// What `release` did.
+    ReleaseOutcome {
+        Released => "released",
+        /// The lock had expired or belongs to another token; nothing was deleted.
+        NotOwner => "not-owner",
+    }
+);
+
+/// True for 64 lowercase hex characters: the form of store keys and body hashes.
+pub fn is_hex64(s: &[u8]) -> bool {
+    s.len() == 64 && s.iter().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// True for a lock token as the store mints them: 1 to 64 characters of `[A-Za-z0-9_-]`.
+pub fn is_token(s: &[u8]) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_TOKEN_LEN
+        && s.iter().all(|b| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_')
+}
+
+/// Parses a decimal header value into `1..=max`.
+pub fn parse_bounded(s: &[u8], max: u64) -> Option<u64> {
+    if s.is_empty() || s.len() > 20 || !s.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = std::str::from_utf8(s).ok()?.parse::<u64>().ok()?;
+    (1..=max).contains(&n).then_some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_round_trip() {
+        for o in [BeginOutcome::Record, BeginOutcome::Locked, BeginOutcome::Busy, BeginOutcome::Mismatch] {
+            assert_eq!(BeginOutcome::parse(o.as_str().as_bytes()), Some(o));
+        }
+        assert_eq!(BeginOutcome::parse(b"RECORD"), None);
+        assert_eq!(CommitOutcome::parse(b"late"), Some(CommitOutcome::Late));
+        assert_eq!(ReleaseOutcome::parse(b"not-owner"), Some(ReleaseOutcome::NotOwner));
+    }
+
+    #[test]
+    fn validators() {
+        assert!(is_hex64(&[b'a'; 64]));
+        assert!(!is_hex64(&[b'A'; 64]));
+        assert!(!is_hex64(&[b'a'; 63]));
+        assert!(is_token(b"abc-DEF_1"));
+        assert!(!is_token(b""));
+        assert!(!is_token(b"a b"));
+        assert_eq!(parse_bounded(b"30000", MAX_LOCK_TTL_MS), Some(30000));
+        assert_eq!(parse_bounded(b"0", 10), None);
+        assert_eq!(parse_bounded(b"11", 10), None);
+        assert_eq!(parse_bounded(b"-1", 10), None);
+        assert_eq!(parse_bounded(b"99999999999999999999999", u64::MAX), None);
+    }
+}

@@ -1,0 +1,363 @@
+//! Plugin configuration: the JSON in Envoy's `configuration` StringValue, parsed and validated
+//! once at load. Every error names the offending key and, for numbers, the allowed range, because
+//! that message is all an operator sees in Envoy's log when the filter is refused.
+
+use serde_json::Value;
+use std::fmt;
+use std::ops::RangeInclusive;
+
+use crate::headers;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailureMode {
+    /// A store fault lets the request run unguarded (counted as degraded).
+    Open,
+    /// A store fault answers `503`.
+    Closed,
+}
+
+/// Where the caller's identity comes from. Requests without one are scoped by client IP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Subject {
+    ClientIp,
+    /// A request header. Only safe when Envoy itself sets or overwrites it.
+    Header(String),
+    /// Dynamic metadata written by an earlier filter (e.g. `jwt_authn`'s payload).
+    Metadata {
+        filter: String,
+        path: Vec<String>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub store_cluster: String,
+    pub store_timeout_ms: u64,
+    pub retention_seconds: u64,
+    pub lock_ttl_ms: u64,
+    pub lock_wait_ms: u64,
+    pub methods: Vec<String>,
+    pub require_key: bool,
+    pub max_key_length: usize,
+    pub max_body_bytes: usize,
+    pub max_record_bytes: usize,
+    pub replay_header: String,
+    pub replay_headers: Vec<String>,
+    pub subject: Subject,
+    pub failure_mode: FailureMode,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.key.is_empty() {
+            write!(f, "invalid configuration: {}", self.message)
+        } else {
+            write!(f, "invalid configuration: `{}` {}", self.key, self.message)
+        }
+    }
+}
+
+fn err(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError { key: key.to_string(), message: message.into() }
+}
+
+pub const RETENTION_SECONDS: RangeInclusive<u64> = 1..=idem_protocol::MAX_RETENTION_S;
+pub const STORE_TIMEOUT_MS: RangeInclusive<u64> = 1..=60_000;
+pub const LOCK_TTL_MS: RangeInclusive<u64> = 100..=idem_protocol::MAX_LOCK_TTL_MS;
+pub const LOCK_WAIT_MS: RangeInclusive<u64> = 1..=idem_protocol::MAX_WAIT_MS;
+pub const MAX_KEY_LENGTH: RangeInclusive<u64> = 1..=4096;
+pub const MAX_BODY_BYTES: RangeInclusive<u64> = 0..=64 * 1024 * 1024;
+pub const MAX_RECORD_BYTES: RangeInclusive<u64> = 0..=8 * 1024 * 1024;
+
+impl Config {
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let value: Value = serde_json::from_slice(bytes)
+            .map_err(|e| err("", format!("configuration is not valid JSON: {e}")))?;
+        let Value::Object(mut map) = value else {
+            return Err(err("", "configuration must be a JSON object"));
+        };
+        let mut take = |key: &str| map.remove(key);
+
+        let store_cluster = match take("store_cluster") {
+            None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
+            Some(v) => non_empty_string("store_cluster", v)?,
+        };
+        let store_timeout_ms = number(take("store_timeout_ms"), "store_timeout_ms", STORE_TIMEOUT_MS, 1000)?;
+        let retention_seconds =
+            number(take("retention_seconds"), "retention_seconds", RETENTION_SECONDS, 86_400)?;
+        let lock_ttl_ms = number(take("lock_ttl_ms"), "lock_ttl_ms", LOCK_TTL_MS, 30_000)?;
+        let lock_wait_ms = number(take("lock_wait_ms"), "lock_wait_ms", LOCK_WAIT_MS, 5_000)?;
+        let methods = match take("methods") {
+            None => vec!["POST".to_string(), "PATCH".to_string()],
+            Some(v) => methods(v)?,
+        };
+        let require_key = boolean(take("require_key"), "require_key", false)?;
+        let max_key_length = number(take("max_key_length"), "max_key_length", MAX_KEY_LENGTH, 255)? as usize;
+        let max_body_bytes =
+            number(take("max_body_bytes"), "max_body_bytes", MAX_BODY_BYTES, 1_048_576)? as usize;
+        let max_record_bytes =
+            number(take("max_record_bytes"), "max_record_bytes", MAX_RECORD_BYTES, 1_048_576)? as usize;
+        let replay_header = match take("replay_header") {
+            None => "x-idempotent-replay".to_string(),
+            Some(v) => header_name("replay_header", v)?,
+        };
+        let replay_headers = match take("replay_headers") {
+            None => vec!["content-type".to_string(), "location".to_string()],
+            Some(v) => replay_headers(v)?,
+        };
+        let subject = match take("subject") {
+            None | Some(Value::Null) => Subject::ClientIp,
+            Some(v) => subject(v)?,
+        };
+        let failure_mode = match take("failure_mode") {
+            None => FailureMode::Open,
+            Some(Value::String(s)) if s == "open" => FailureMode::Open,
+            Some(Value::String(s)) if s == "closed" => FailureMode::Closed,
+            Some(_) => return Err(err("failure_mode", "must be \"open\" or \"closed\"")),
+        };
+
+        if let Some(unknown) = map.keys().next() {
+            return Err(err(unknown, "is not a known key"));
+        }
+        Ok(Config {
+            store_cluster,
+            store_timeout_ms,
+            retention_seconds,
+            lock_ttl_ms,
+            lock_wait_ms,
+            methods,
+            require_key,
+            max_key_length,
+            max_body_bytes,
+            max_record_bytes,
+            replay_header,
+            replay_headers,
+            subject,
+            failure_mode,
+        })
+    }
+
+    pub fn guards_method(&self, method: &str) -> bool {
+        self.methods.iter().any(|m| m == method)
+    }
+}
+
+fn number(v: Option<Value>, key: &str, range: RangeInclusive<u64>, default: u64) -> Result<u64, ConfigError> {
+    let range_text = || format!("must be an integer from {} to {}", range.start(), range.end());
+    match v {
+        None => Ok(default),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(n) if range.contains(&n) => Ok(n),
+            _ => Err(err(key, format!("{}, got {n}", range_text()))),
+        },
+        Some(other) => Err(err(key, format!("{}, got {}", range_text(), type_name(&other)))),
+    }
+}
+
+fn boolean(v: Option<Value>, key: &str, default: bool) -> Result<bool, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(Value::Bool(b)) => Ok(b),
+        Some(other) => Err(err(key, format!("must be true or false, got {}", type_name(&other)))),
+    }
+}
+
+fn non_empty_string(key: &str, v: Value) -> Result<String, ConfigError> {
+    match v {
+        Value::String(s) if !s.is_empty() => Ok(s),
+        other => Err(err(key, format!("must be a non-empty string, got {}", type_name(&other)))),
+    }
+}
+
+fn string_list(key: &str, v: Value) -> Result<Vec<String>, ConfigError> {
+    let Value::Array(items) = v else {
+        return Err(err(key, format!("must be a list of strings, got {}", type_name(&v))));
+    };
+    items.into_iter().map(|item| non_empty_string(key, item)).collect()
+}
+
+fn methods(v: Value) -> Result<Vec<String>, ConfigError> {
+    let list = string_list("methods", v)?;
+    if list.is_empty() {
+        return Err(err("methods", "must name at least one method"));
+    }
+    for m in &list {
+        if !m.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(err("methods", format!("entries must be upper-case HTTP methods, got {m:?}")));
+        }
+    }
+    Ok(list)
+}
+
+fn header_name(key: &str, v: Value) -> Result<String, ConfigError> {
+    let name = non_empty_string(key, v)?;
+    if !headers::is_valid_name(&name) {
+        return Err(err(key, format!("must be a lower-case HTTP header name, got {name:?}")));
+    }
+    Ok(name)
+}
+
+fn replay_headers(v: Value) -> Result<Vec<String>, ConfigError> {
+    let key = "replay_headers";
+    let Value::Array(items) = v else {
+        return Err(err(key, format!("must be a list of header names, got {}", type_name(&v))));
+    };
+    let mut names = Vec::with_capacity(items.len());
+    for item in items {
+        let name = header_name(key, item)?;
+        if headers::is_never_replayed(&name) {
+            return Err(err(
+                key,
+                format!(
+                    "must not contain {name:?}: cookies, hop-by-hop and framing headers are never replayed"
+                ),
+            ));
+        }
+        names.push(name);
+    }
+    Ok(names)
+}
+
+fn subject(v: Value) -> Result<Subject, ConfigError> {
+    let key = "subject";
+    let shape = "must be {\"header\": NAME} or {\"metadata\": {\"filter\": NAME, \"path\": [..]}}";
+    let Value::Object(mut obj) = v else {
+        return Err(err(key, shape));
+    };
+    if obj.len() != 1 {
+        return Err(err(key, shape));
+    }
+    if let Some(h) = obj.remove("header") {
+        return Ok(Subject::Header(header_name("subject.header", h)?));
+    }
+    let Some(Value::Object(mut meta)) = obj.remove("metadata") else {
+        return Err(err(key, shape));
+    };
+    let filter = match meta.remove("filter") {
+        Some(v) => non_empty_string("subject.metadata.filter", v)?,
+        None => return Err(err("subject.metadata.filter", "is required")),
+    };
+    let path = match meta.remove("path") {
+        Some(v) => string_list("subject.metadata.path", v)?,
+        None => return Err(err("subject.metadata.path", "is required")),
+    };
+    if path.is_empty() {
+        return Err(err("subject.metadata.path", "must name at least one field"));
+    }
+    if let Some(unknown) = meta.keys().next() {
+        return Err(err(&format!("subject.metadata.{unknown}"), "is not a known key"));
+    }
+    Ok(Subject::Metadata { filter, path })
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<Config, ConfigError> {
+        Config::from_json(s.as_bytes())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(r#"{"store_cluster":"idemstore"}"#).unwrap();
+        assert_eq!(c.store_timeout_ms, 1000);
+        assert_eq!(c.retention_seconds, 86_400);
+        assert_eq!(c.lock_ttl_ms, 30_000);
+        assert_eq!(c.lock_wait_ms, 5_000);
+        assert_eq!(c.methods, ["POST", "PATCH"]);
+        assert!(!c.require_key);
+        assert_eq!(c.max_key_length, 255);
+        assert_eq!(c.max_body_bytes, 1_048_576);
+        assert_eq!(c.max_record_bytes, 1_048_576);
+        assert_eq!(c.replay_header, "x-idempotent-replay");
+        assert_eq!(c.replay_headers, ["content-type", "location"]);
+        assert_eq!(c.subject, Subject::ClientIp);
+        assert_eq!(c.failure_mode, FailureMode::Open);
+    }
+
+    #[test]
+    fn every_key_set() {
+        let c = parse(
+            r#"{"store_cluster":"s","store_timeout_ms":200,"retention_seconds":604800,
+                "lock_ttl_ms":1000,"lock_wait_ms":10,"methods":["PUT"],"require_key":true,
+                "max_key_length":64,"max_body_bytes":0,"max_record_bytes":10,
+                "replay_header":"x-replay","replay_headers":["etag"],
+                "subject":{"metadata":{"filter":"envoy.filters.http.jwt_authn","path":["payload","sub"]}},
+                "failure_mode":"closed"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.retention_seconds, 604_800);
+        assert_eq!(c.methods, ["PUT"]);
+        assert_eq!(c.failure_mode, FailureMode::Closed);
+        assert_eq!(
+            c.subject,
+            Subject::Metadata {
+                filter: "envoy.filters.http.jwt_authn".into(),
+                path: vec!["payload".into(), "sub".into()]
+            }
+        );
+        let c = parse(r#"{"store_cluster":"s","subject":{"header":"x-user"}}"#).unwrap();
+        assert_eq!(c.subject, Subject::Header("x-user".into()));
+    }
+
+    #[test]
+    fn errors_name_the_key_and_range() {
+        let e = parse(r#"{"store_cluster":"s","retention_seconds":999999999}"#).unwrap_err();
+        assert_eq!(e.key, "retention_seconds");
+        let text = e.to_string();
+        assert!(text.contains("retention_seconds"), "{text}");
+        assert!(text.contains("1 to 604800"), "{text}");
+        assert!(text.contains("999999999"), "{text}");
+
+        let cases = [
+            (r#"{}"#, "store_cluster"),
+            (r#"{"store_cluster":""}"#, "store_cluster"),
+            (r#"{"store_cluster":"s","foo":1}"#, "foo"),
+            (r#"{"store_cluster":"s","lock_ttl_ms":"x"}"#, "lock_ttl_ms"),
+            (r#"{"store_cluster":"s","lock_ttl_ms":-5}"#, "lock_ttl_ms"),
+            (r#"{"store_cluster":"s","lock_wait_ms":1.5}"#, "lock_wait_ms"),
+            (r#"{"store_cluster":"s","retention_seconds":0}"#, "retention_seconds"),
+            (r#"{"store_cluster":"s","require_key":"yes"}"#, "require_key"),
+            (r#"{"store_cluster":"s","methods":[]}"#, "methods"),
+            (r#"{"store_cluster":"s","methods":["post"]}"#, "methods"),
+            (r#"{"store_cluster":"s","methods":"POST"}"#, "methods"),
+            (r#"{"store_cluster":"s","replay_headers":["set-cookie"]}"#, "replay_headers"),
+            (r#"{"store_cluster":"s","replay_headers":["Location"]}"#, "replay_headers"),
+            (r#"{"store_cluster":"s","replay_headers":["connection"]}"#, "replay_headers"),
+            (r#"{"store_cluster":"s","replay_header":"bad header"}"#, "replay_header"),
+            (r#"{"store_cluster":"s","failure_mode":"maybe"}"#, "failure_mode"),
+            (r#"{"store_cluster":"s","subject":"ip"}"#, "subject"),
+            (r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f"}}}"#, "subject.metadata.path"),
+            (
+                r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f","path":[]}}}"#,
+                "subject.metadata.path",
+            ),
+            (r#"{"store_cluster":"s","max_body_bytes":99999999999}"#, "max_body_bytes"),
+        ];
+        for (json, key) in cases {
+            let e = parse(json).unwrap_err();
+            assert_eq!(e.key, key, "{json}: {e}");
+            assert!(e.to_string().contains(key), "{json}: {e}");
+        }
+        assert!(parse("not json").is_err());
+        assert!(parse("[]").is_err());
+    }
+}

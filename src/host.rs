@@ -1,0 +1,460 @@
+//! The proxy-wasm glue: the only module that talks to Envoy. It feeds host events into the
+//! per-request [`Stream`] machines and carries out their effects.
+//!
+//! Store calls are owned by the root context, not by the stream: Envoy cancels a stream's pending
+//! callouts when the stream ends, and a `begin` that took the lock, or a `commit` sent after the
+//! response went out, must not be lost with it. A stream therefore puts its call in the root's
+//! outbox and wakes the root through a per-worker shared queue; the root dispatches it (so the
+//! SDK and Envoy both register the callout under the root), receives the answer, and, if the
+//! stream is still there, acts on it with `set_effective_context`.
+//!
+//! Only `hostcalls::` functions that return `Result` are used: the SDK's trait helpers panic on
+//! an unexpected host status, and a panic traps the VM.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action as HostAction, BufferType, ContextType, LogLevel, MapType, MetricType};
+use std::cell::{OnceCell, RefCell};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::rc::Rc;
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::machine::{Action, Effect, Step, Stream, StreamView};
+use crate::metrics::Metric;
+use crate::store::{Answer, BeginAnswer, CallKind, StoreCall, StoreFault};
+use idem_protocol::CommitOutcome;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root { id, shared: None }) });
+}}
+
+/// State one root context shares with the streams it creates (same VM, same thread).
+struct Shared {
+    root_id: u32,
+    cfg: Rc<Config>,
+    queue: u32,
+    wake_pending: bool,
+    metrics: Vec<u32>,
+    streams: HashMap<u32, Entry>,
+    outbox: Vec<(u32, StoreCall)>,
+    callouts: HashMap<u32, Pending>,
+}
+
+struct Entry {
+    stream: Stream,
+    /// Envoy has destroyed the stream; the entry lives on only until its `begin` answers.
+    gone: bool,
+}
+
+struct Pending {
+    stream: u32,
+    kind: CallKind,
+    key: String,
+}
+
+type SharedRef = Rc<RefCell<Shared>>;
+
+struct Root {
+    id: u32,
+    shared: Option<SharedRef>,
+}
+
+impl Root {
+    fn configure(&self) -> Result<SharedRef, String> {
+        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .map_err(|s| format!("cannot read the plugin configuration: {s:?}"))?
+            .unwrap_or_default();
+        let cfg = Config::from_json(&bytes).map_err(|e| e.to_string())?;
+        let mut metrics = Vec::with_capacity(Metric::ALL.len());
+        for m in Metric::ALL {
+            let id = hostcalls::define_metric(MetricType::Counter, m.name())
+                .map_err(|s| format!("cannot define metric {}: {s:?}", m.name()))?;
+            metrics.push(id);
+        }
+        // Queue names are per VM id, and every worker runs this root: a random name keeps each
+        // worker's wake-ups on its own thread, where its streams live.
+        let name = format!("idempotency-outbox-{:016x}", random_u64(self.id));
+        let queue = hostcalls::register_shared_queue(&name)
+            .map_err(|s| format!("cannot register shared queue: {s:?}"))?;
+        Ok(Rc::new(RefCell::new(Shared {
+            root_id: self.id,
+            cfg: Rc::new(cfg),
+            queue,
+            wake_pending: false,
+            metrics,
+            streams: HashMap::new(),
+            outbox: Vec::new(),
+            callouts: HashMap::new(),
+        })))
+    }
+}
+
+fn random_u64(seed: u32) -> u64 {
+    // std's RandomState draws its keys from WASI `random_get`, which Envoy implements.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(seed);
+    if let Ok(t) = hostcalls::get_current_time() {
+        h.write_u128(t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    }
+    h.finish()
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+        let Some(shared) = &self.shared else { return };
+        let headers = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default();
+        let body = if body_size > 0 {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        on_store_answer(shared, token, Answer { headers: &headers, body: &body });
+    }
+}
+
+impl RootContext for Root {
+    fn on_vm_start(&mut self, _size: usize) -> bool {
+        if let Ok(level) = hostcalls::get_log_level() {
+            proxy_wasm::set_log_level(level);
+        }
+        true
+    }
+
+    fn on_configure(&mut self, _size: usize) -> bool {
+        match self.configure() {
+            Ok(shared) => {
+                self.shared = Some(shared);
+                true
+            }
+            Err(e) => {
+                log::error!("idempotency filter refused its configuration: {e}");
+                false
+            }
+        }
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
+        if let Some(shared) = &self.shared {
+            flush_outbox(shared);
+        }
+    }
+
+    fn create_http_context(&self, id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(HttpStream { id, shared: self.shared.clone() }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// Dispatches every queued store call. Runs in a root callback, so the callouts belong to the root.
+fn flush_outbox(shared: &SharedRef) {
+    let (calls, cfg, root_id) = match shared.try_borrow_mut() {
+        Ok(mut s) => {
+            s.wake_pending = false;
+            (std::mem::take(&mut s.outbox), s.cfg.clone(), s.root_id)
+        }
+        Err(_) => return,
+    };
+    for (stream, call) in calls {
+        // The host registers a callout with the effective context: make sure it is the root.
+        let _ = hostcalls::set_effective_context(root_id);
+        let callout = call.callout(&cfg);
+        let headers: Vec<(&str, &str)> = callout.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        let result = hostcalls::dispatch_http_call(
+            &cfg.store_cluster,
+            headers,
+            callout.body.as_deref(),
+            vec![],
+            Duration::from_millis(callout.timeout_ms),
+        );
+        match result {
+            Ok(token) => {
+                if let Ok(mut s) = shared.try_borrow_mut() {
+                    s.callouts
+                        .insert(token, Pending { stream, kind: call.kind(), key: call.key().to_string() });
+                }
+            }
+            Err(status) => {
+                log::warn!(
+                    "store {:?} for key {}: dispatch failed: {status:?}",
+                    call.kind(),
+                    prefix(call.key())
+                );
+                settle(
+                    shared,
+                    stream,
+                    call.kind(),
+                    call.key(),
+                    Answered::fault(call.kind(), StoreFault::Dispatch),
+                );
+            }
+        }
+    }
+}
+
+fn on_store_answer(shared: &SharedRef, token: u32, answer: Answer<'_>) {
+    let Some(pending) = shared.try_borrow_mut().ok().and_then(|mut s| s.callouts.remove(&token)) else {
+        return;
+    };
+    let outcome = match pending.kind {
+        CallKind::Begin => Answered::Begin(answer.begin()),
+        CallKind::Commit => Answered::Commit(answer.commit()),
+        CallKind::Release => Answered::Release(answer.release().map(|_| ())),
+    };
+    settle(shared, pending.stream, pending.kind, &pending.key, outcome);
+}
+
+enum Answered {
+    Begin(Result<BeginAnswer, StoreFault>),
+    Commit(Result<CommitOutcome, StoreFault>),
+    Release(Result<(), StoreFault>),
+}
+
+impl Answered {
+    fn fault(kind: CallKind, f: StoreFault) -> Answered {
+        match kind {
+            CallKind::Begin => Answered::Begin(Err(f)),
+            CallKind::Commit => Answered::Commit(Err(f)),
+            CallKind::Release => Answered::Release(Err(f)),
+        }
+    }
+}
+
+/// Acts on the end of a store call, whether it answered or could not be sent.
+fn settle(shared: &SharedRef, stream_id: u32, kind: CallKind, key: &str, outcome: Answered) {
+    let mut effects = Vec::new();
+    let fault = match &outcome {
+        Answered::Begin(Err(f)) | Answered::Commit(Err(f)) | Answered::Release(Err(f)) => Some(*f),
+        _ => None,
+    };
+    if let Some(f) = fault {
+        log::warn!("store {kind:?} for key {}: {f}", prefix(key));
+        effects.push(Effect::Count(Metric::StoreErrors));
+    }
+    let on_stream = match outcome {
+        Answered::Begin(answer) => {
+            let Ok(mut s) = shared.try_borrow_mut() else { return };
+            match s.streams.get_mut(&stream_id) {
+                Some(entry) => {
+                    effects.extend(entry.stream.on_begin_answer(answer));
+                    let gone = entry.gone;
+                    if gone && entry.stream.is_settled() {
+                        s.streams.remove(&stream_id);
+                    }
+                    !gone
+                }
+                None => {
+                    // Should not happen (entries outlive their pending begin); never leak a lock.
+                    if let Ok(BeginAnswer::Locked { token }) = answer {
+                        effects.push(Effect::Store(StoreCall::Release { key: key.to_string(), token }));
+                    }
+                    false
+                }
+            }
+        }
+        Answered::Commit(result) => {
+            match result {
+                Ok(CommitOutcome::Stored | CommitOutcome::Late) => {
+                    effects.push(Effect::Count(Metric::Stored))
+                }
+                Ok(CommitOutcome::Exists) => {
+                    log::info!("store commit for key {}: an earlier record was kept", prefix(key));
+                    effects.push(Effect::Count(Metric::CommitFailed));
+                }
+                Err(_) => effects.push(Effect::Count(Metric::CommitFailed)),
+            }
+            false
+        }
+        Answered::Release(_) => false,
+    };
+    apply(shared, stream_id, effects, if on_stream { Origin::RootForStream } else { Origin::Root });
+}
+
+fn prefix(key: &str) -> &str {
+    key.get(..12).unwrap_or(key)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// In the stream's own callback.
+    Stream,
+    /// In a root callback, acting on a live stream.
+    RootForStream,
+    /// In a root callback, with no stream to act on.
+    Root,
+}
+
+fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, origin: Origin) {
+    for effect in effects {
+        match effect {
+            Effect::Respond(r) => {
+                if origin == Origin::Root {
+                    continue;
+                }
+                if origin == Origin::RootForStream {
+                    let _ = hostcalls::set_effective_context(stream_id);
+                }
+                let headers: Vec<(&str, &str)> =
+                    r.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                if let Err(s) = hostcalls::send_http_response(r.status, headers, Some(&r.body)) {
+                    log::warn!("cannot send local response {}: {s:?}", r.status);
+                }
+            }
+            Effect::Resume => {
+                if origin == Origin::Root {
+                    continue;
+                }
+                if origin == Origin::RootForStream {
+                    let _ = hostcalls::set_effective_context(stream_id);
+                }
+                if let Err(s) = hostcalls::resume_http_request() {
+                    log::warn!("cannot resume request: {s:?}");
+                }
+            }
+            Effect::Store(call) => {
+                let wake = match shared.try_borrow_mut() {
+                    Ok(mut s) => {
+                        s.outbox.push((stream_id, call));
+                        let wake = !s.wake_pending;
+                        s.wake_pending = true;
+                        wake.then_some(s.queue)
+                    }
+                    Err(_) => None,
+                };
+                if origin != Origin::Stream {
+                    // Already in a root callback: dispatch now, no need for a wake-up.
+                    flush_outbox(shared);
+                } else if let Some(queue) = wake {
+                    if let Err(s) = hostcalls::enqueue_shared_queue(queue, Some(b"1")) {
+                        log::warn!("cannot wake the root context: {s:?}");
+                    }
+                }
+            }
+            Effect::Count(m) => {
+                if let Some(id) = shared.try_borrow().ok().and_then(|s| s.metrics.get(m.index()).copied()) {
+                    let _ = hostcalls::increment_metric(id, 1);
+                }
+            }
+        }
+    }
+}
+
+struct HttpStream {
+    id: u32,
+    shared: Option<SharedRef>,
+}
+
+impl HttpStream {
+    fn run(&mut self, f: impl FnOnce(&mut Stream, &dyn StreamView) -> Step) -> HostAction {
+        let Some(shared) = &self.shared else { return HostAction::Continue };
+        let step = {
+            let Ok(mut s) = shared.try_borrow_mut() else { return HostAction::Continue };
+            let cfg = s.cfg.clone();
+            let entry =
+                s.streams.entry(self.id).or_insert_with(|| Entry { stream: Stream::new(cfg), gone: false });
+            f(&mut entry.stream, &HostView::default())
+        };
+        apply(shared, self.id, step.effects, Origin::Stream);
+        match step.action {
+            Action::Continue => HostAction::Continue,
+            Action::Pause => HostAction::Pause,
+        }
+    }
+}
+
+impl Context for HttpStream {
+    fn on_done(&mut self) -> bool {
+        let Some(shared) = &self.shared else { return true };
+        let effects = match shared.try_borrow_mut() {
+            Ok(mut s) => match s.streams.get_mut(&self.id) {
+                Some(entry) => {
+                    let effects = entry.stream.on_stream_end();
+                    if entry.stream.is_settled() {
+                        s.streams.remove(&self.id);
+                    } else {
+                        entry.gone = true;
+                    }
+                    effects
+                }
+                None => Vec::new(),
+            },
+            Err(_) => Vec::new(),
+        };
+        apply(shared, self.id, effects, Origin::Stream);
+        true
+    }
+}
+
+impl HttpContext for HttpStream {
+    fn on_http_request_headers(&mut self, _n: usize, end_of_stream: bool) -> HostAction {
+        self.run(|s, v| s.on_request_headers(v, end_of_stream))
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> HostAction {
+        self.run(|s, v| s.on_request_body(v, body_size, end_of_stream))
+    }
+
+    fn on_http_request_trailers(&mut self, _n: usize) -> HostAction {
+        self.run(|s, _| s.on_request_trailers())
+    }
+
+    fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> HostAction {
+        self.run(|s, v| s.on_response_headers(v, end_of_stream))
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> HostAction {
+        self.run(|s, v| s.on_response_body(v, body_size, end_of_stream))
+    }
+
+    fn on_http_response_trailers(&mut self, _n: usize) -> HostAction {
+        self.run(|s, _| s.on_response_trailers())
+    }
+}
+
+/// Envoy's view of the current stream, read on demand; header maps are fetched once per callback.
+#[derive(Default)]
+struct HostView {
+    request: OnceCell<Vec<(String, Vec<u8>)>>,
+    response: OnceCell<Vec<(String, Vec<u8>)>>,
+}
+
+fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
+    pairs.iter().filter(|(k, _)| k == name).map(|(_, v)| v.clone()).collect()
+}
+
+impl StreamView for HostView {
+    fn request_header(&self, name: &str) -> Vec<Vec<u8>> {
+        let pairs = self
+            .request
+            .get_or_init(|| hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default());
+        values(pairs, name)
+    }
+
+    fn response_header(&self, name: &str) -> Vec<Vec<u8>> {
+        let pairs = self
+            .response
+            .get_or_init(|| hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default());
+        values(pairs, name)
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        hostcalls::get_property(path.to_vec()).ok().flatten()
+    }
+
+    fn request_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, start, len).ok().map(Option::unwrap_or_default)
+    }
+
+    fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, start, len).ok().map(Option::unwrap_or_default)
+    }
+}

@@ -1,0 +1,440 @@
+//! The per-request state machine: events in (headers, body, store answers, response, stream end),
+//! decisions out (continue or pause, and effects for the host to carry out). No proxy-wasm here:
+//! the host is behind [`StreamView`], so every transition is unit-tested natively.
+//!
+//! ```text
+//! Start ──not guarded / no key──────────────────────────────────────────▶ Done
+//!   │ key ok                      bad key / too large ─▶ 400 / 413 ─────▶ Done
+//!   ▼
+//! Hashing ──end of body──▶ Beginning ──record──▶ replay ────────────────▶ Done
+//!                            │  │ └─mismatch / busy / fault──▶ 422 / 409 / open or 503
+//!                            │  └─stream gone─▶ Orphaned ──locked──▶ release
+//!                            ▼ locked
+//!                          Executing ──2xx JSON or empty──▶ Capturing ──end──▶ commit
+//!                              └──other response / reset / client gone──────▶ release
+//! ```
+
+use sha2::{Digest, Sha256};
+use std::rc::Rc;
+
+use crate::config::{Config, FailureMode, Subject};
+use crate::headers;
+use crate::key;
+use crate::metrics::Metric;
+use crate::problem::{self, LocalResponse};
+use crate::record::Record;
+use crate::store::{BeginAnswer, StoreCall, StoreFault};
+
+/// What the machine may read from the host, lazily: a request that is not guarded costs one
+/// header lookup.
+pub trait StreamView {
+    /// Every value of a request header (lower-case name; pseudo-headers like `:method` included).
+    fn request_header(&self, name: &str) -> Vec<Vec<u8>>;
+    /// Every value of a response header (`:status` included).
+    fn response_header(&self, name: &str) -> Vec<Vec<u8>>;
+    /// An Envoy attribute, e.g. `["source", "address"]`.
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>>;
+    /// `len` bytes of the request body from `start`.
+    fn request_body(&self, start: usize, len: usize) -> Option<Vec<u8>>;
+    /// `len` bytes of the current response body chunk from `start`.
+    fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>>;
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    /// Stop iteration (and, for bodies, buffer) until an effect resumes or answers the stream.
+    Pause,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// Answer the client instead of the upstream. At most one per stream.
+    Respond(LocalResponse),
+    /// Let the paused request go on to the upstream.
+    Resume,
+    /// A store call, owned by the root context so that it outlives the stream.
+    Store(StoreCall),
+    Count(Metric),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub action: Action,
+    pub effects: Vec<Effect>,
+}
+
+impl Step {
+    fn go(effects: Vec<Effect>) -> Step {
+        Step { action: Action::Continue, effects }
+    }
+
+    fn pause(effects: Vec<Effect>) -> Step {
+        Step { action: Action::Pause, effects }
+    }
+}
+
+/// A response being copied for the record while it streams to the client.
+#[derive(Debug)]
+struct Capture {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    /// No content type: storable only if the body turns out empty.
+    untyped: bool,
+}
+
+#[derive(Debug)]
+enum State {
+    Start,
+    Hashing {
+        key: String,
+        hasher: Sha256,
+        seen: usize,
+    },
+    Beginning {
+        key: String,
+        body_hash: String,
+    },
+    /// The stream went away while `begin` was pending: a lock it brings back is released.
+    Orphaned {
+        key: String,
+    },
+    Executing {
+        key: String,
+        body_hash: String,
+        token: String,
+    },
+    Capturing {
+        key: String,
+        body_hash: String,
+        token: String,
+        capture: Capture,
+    },
+    /// Nothing left to do: not guarded, answered, failed open, committed or released.
+    Done,
+}
+
+pub struct Stream {
+    cfg: Rc<Config>,
+    state: State,
+}
+
+impl Stream {
+    pub fn new(cfg: Rc<Config>) -> Stream {
+        Stream { cfg, state: State::Start }
+    }
+
+    /// The store key, once derived: for log lines (a prefix of it, never the client's key).
+    pub fn store_key(&self) -> Option<&str> {
+        match &self.state {
+            State::Hashing { key, .. }
+            | State::Beginning { key, .. }
+            | State::Orphaned { key }
+            | State::Executing { key, .. }
+            | State::Capturing { key, .. } => Some(key),
+            State::Start | State::Done => None,
+        }
+    }
+
+    /// True once nothing this stream started is pending: the host may forget it.
+    pub fn is_settled(&self) -> bool {
+        !matches!(self.state, State::Orphaned { .. } | State::Beginning { .. })
+    }
+
+    pub fn on_request_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
+        if !matches!(self.state, State::Start) {
+            return Step::go(vec![]);
+        }
+        self.state = State::Done;
+        let method = first(view.request_header(":method"));
+        let Some(method) = method.as_deref().and_then(|m| std::str::from_utf8(m).ok()) else {
+            return Step::go(vec![]);
+        };
+        if !self.cfg.guards_method(method) {
+            return Step::go(vec![]);
+        }
+        let values = view.request_header("idempotency-key");
+        let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
+        let client_key = match key::parse_client_key(&values, self.cfg.max_key_length) {
+            Err(e) => return reject(problem::invalid_key(e)),
+            Ok(None) if self.cfg.require_key => return reject(problem::missing_key()),
+            Ok(None) => return Step::go(vec![Effect::Count(Metric::Passthrough)]),
+            Ok(Some(k)) => k,
+        };
+        let mut effects = vec![Effect::Count(Metric::Guarded)];
+        let declared = first(view.request_header("content-length"))
+            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
+        if declared.is_some_and(|n| n > self.cfg.max_body_bytes as u64) {
+            return too_large(effects, self.cfg.max_body_bytes);
+        }
+        let subject = self.subject(view);
+        let route = match view.property(&["xds", "route_name"]) {
+            Some(name) if !name.is_empty() => String::from_utf8_lossy(&name).into_owned(),
+            _ => {
+                let path = first(view.request_header(":path")).unwrap_or_default();
+                key::route_from_path(&String::from_utf8_lossy(&path)).to_string()
+            }
+        };
+        let key = key::store_key(&subject, method, &route, &client_key);
+        self.state = State::Hashing { key, hasher: Sha256::new(), seen: 0 };
+        if end_of_stream {
+            effects.extend(self.begin());
+        }
+        Step::pause(effects)
+    }
+
+    pub fn on_request_body(&mut self, view: &dyn StreamView, buffered: usize, end_of_stream: bool) -> Step {
+        let State::Hashing { hasher, seen, .. } = &mut self.state else {
+            return Step::go(vec![]);
+        };
+        if buffered > self.cfg.max_body_bytes {
+            self.state = State::Done;
+            return too_large(vec![], self.cfg.max_body_bytes);
+        }
+        if buffered > *seen {
+            // Envoy hands us the whole buffered body each time: hash only what is new.
+            let Some(chunk) = view.request_body(*seen, buffered - *seen) else {
+                return Step::pause(self.fault(StoreFault::Dispatch));
+            };
+            hasher.update(&chunk);
+            *seen += chunk.len();
+        }
+        if end_of_stream {
+            return Step::pause(self.begin());
+        }
+        Step::pause(vec![])
+    }
+
+    /// Trailers end the request body.
+    pub fn on_request_trailers(&mut self) -> Step {
+        if matches!(self.state, State::Hashing { .. }) {
+            return Step::pause(self.begin());
+        }
+        Step::go(vec![])
+    }
+
+    fn begin(&mut self) -> Vec<Effect> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Hashing { key, hasher, .. } => {
+                let body_hash = key::hex(&hasher.finalize());
+                let call = StoreCall::Begin { key: key.clone(), body_hash: body_hash.clone() };
+                self.state = State::Beginning { key, body_hash };
+                vec![Effect::Store(call)]
+            }
+            other => {
+                self.state = other;
+                vec![]
+            }
+        }
+    }
+
+    pub fn on_begin_answer(&mut self, answer: Result<BeginAnswer, StoreFault>) -> Vec<Effect> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Beginning { key, body_hash } => match answer {
+                Ok(BeginAnswer::Replay(record)) => {
+                    vec![Effect::Respond(self.replay(record)), Effect::Count(Metric::Replayed)]
+                }
+                Ok(BeginAnswer::Mismatch) => {
+                    vec![Effect::Respond(problem::key_reused()), Effect::Count(Metric::Mismatched)]
+                }
+                Ok(BeginAnswer::Busy) => {
+                    vec![Effect::Respond(problem::in_flight()), Effect::Count(Metric::Conflicted)]
+                }
+                Ok(BeginAnswer::Locked { token }) => {
+                    self.state = State::Executing { key, body_hash, token };
+                    vec![Effect::Resume, Effect::Count(Metric::Executed)]
+                }
+                Err(fault) => self.fault(fault),
+            },
+            State::Orphaned { key } => match answer {
+                Ok(BeginAnswer::Locked { token }) => {
+                    vec![Effect::Store(StoreCall::Release { key, token }), Effect::Count(Metric::Released)]
+                }
+                _ => vec![],
+            },
+            other => {
+                self.state = other;
+                vec![]
+            }
+        }
+    }
+
+    /// A store fault before the upstream ran: run unguarded, or refuse.
+    fn fault(&mut self, _fault: StoreFault) -> Vec<Effect> {
+        self.state = State::Done;
+        match self.cfg.failure_mode {
+            FailureMode::Open => vec![Effect::Resume, Effect::Count(Metric::Degraded)],
+            FailureMode::Closed => {
+                vec![Effect::Respond(problem::store_unavailable()), Effect::Count(Metric::Unavailable)]
+            }
+        }
+    }
+
+    fn replay(&self, record: Record) -> LocalResponse {
+        let mut headers = record.headers;
+        headers.push((self.cfg.replay_header.clone(), "true".to_string()));
+        LocalResponse { status: u32::from(record.status), headers, body: record.body }
+    }
+
+    pub fn on_response_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Executing { key, body_hash, token } => {
+                let status = first(view.response_header(":status"))
+                    .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.parse::<u16>().ok()))
+                    .unwrap_or(0);
+                let content_type = first(view.response_header("content-type"));
+                let declared = first(view.response_header("content-length"))
+                    .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
+                let storable = (200..=299).contains(&status)
+                    && content_type.as_deref().is_none_or(headers::is_json_content_type)
+                    && declared.is_none_or(|n| n <= self.cfg.max_record_bytes as u64);
+                if !storable {
+                    return Step::go(release(key, token));
+                }
+                let capture = Capture {
+                    status,
+                    headers: self.allowed_headers(view),
+                    body: Vec::new(),
+                    untyped: content_type.is_none(),
+                };
+                self.state = State::Capturing { key, body_hash, token, capture };
+                if end_of_stream {
+                    return Step::go(self.finish_capture());
+                }
+                Step::go(vec![])
+            }
+            // The request never reached the upstream (Envoy answered it, e.g. a timeout while
+            // `begin` was pending): whatever `begin` brings back must be given back.
+            State::Beginning { key, .. } => {
+                self.state = State::Orphaned { key };
+                Step::go(vec![])
+            }
+            other => {
+                self.state = other;
+                Step::go(vec![])
+            }
+        }
+    }
+
+    pub fn on_response_body(&mut self, view: &dyn StreamView, chunk_len: usize, end_of_stream: bool) -> Step {
+        let State::Capturing { capture, .. } = &mut self.state else {
+            return Step::go(vec![]);
+        };
+        if chunk_len > 0 {
+            if capture.body.len() + chunk_len > self.cfg.max_record_bytes {
+                return Step::go(self.abandon_capture());
+            }
+            match view.response_body(0, chunk_len) {
+                Some(chunk) => capture.body.extend_from_slice(&chunk),
+                None => return Step::go(self.abandon_capture()),
+            }
+        }
+        if end_of_stream {
+            return Step::go(self.finish_capture());
+        }
+        Step::go(vec![])
+    }
+
+    /// Trailers end the response body; they are not stored.
+    pub fn on_response_trailers(&mut self) -> Step {
+        if matches!(self.state, State::Capturing { .. }) {
+            return Step::go(self.finish_capture());
+        }
+        Step::go(vec![])
+    }
+
+    fn finish_capture(&mut self) -> Vec<Effect> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Capturing { key, body_hash, token, capture } => {
+                if capture.untyped && !capture.body.is_empty() {
+                    return release(key, token);
+                }
+                let record = Record { status: capture.status, headers: capture.headers, body: capture.body };
+                vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
+            }
+            other => {
+                self.state = other;
+                vec![]
+            }
+        }
+    }
+
+    fn abandon_capture(&mut self) -> Vec<Effect> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Capturing { key, token, .. } => release(key, token),
+            other => {
+                self.state = other;
+                vec![]
+            }
+        }
+    }
+
+    /// The stream is over (complete, reset upstream, or the client went away).
+    pub fn on_stream_end(&mut self) -> Vec<Effect> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Executing { key, token, .. } | State::Capturing { key, token, .. } => release(key, token),
+            State::Beginning { key, .. } | State::Orphaned { key } => {
+                self.state = State::Orphaned { key };
+                vec![]
+            }
+            _ => vec![],
+        }
+    }
+
+    fn subject(&self, view: &dyn StreamView) -> String {
+        let identity = match &self.cfg.subject {
+            Subject::ClientIp => None,
+            Subject::Header(name) => first(view.request_header(name)),
+            Subject::Metadata { filter, path } => {
+                let mut full: Vec<&str> = vec!["metadata", "filter_metadata", filter];
+                full.extend(path.iter().map(String::as_str));
+                view.property(&full)
+            }
+        };
+        match identity {
+            Some(id) if !id.is_empty() => format!("id:{}", String::from_utf8_lossy(&id)),
+            _ => {
+                let source = view.property(&["source", "address"]).unwrap_or_default();
+                key::anonymous_subject(&String::from_utf8_lossy(&source))
+            }
+        }
+    }
+
+    fn allowed_headers(&self, view: &dyn StreamView) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for name in &self.cfg.replay_headers {
+            for value in view.response_header(name) {
+                // A value Envoy could not send back in a local reply is left out, not mangled.
+                if headers::is_valid_value(&value) {
+                    if let Ok(v) = String::from_utf8(value) {
+                        out.push((name.clone(), v));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn first(values: Vec<Vec<u8>>) -> Option<Vec<u8>> {
+    values.into_iter().next()
+}
+
+fn reject(response: LocalResponse) -> Step {
+    Step::pause(vec![Effect::Respond(response), Effect::Count(Metric::Rejected)])
+}
+
+fn too_large(mut effects: Vec<Effect>, max: usize) -> Step {
+    effects.push(Effect::Respond(problem::body_too_large(max)));
+    effects.push(Effect::Count(Metric::Rejected));
+    Step::pause(effects)
+}
+
+fn release(key: String, token: String) -> Vec<Effect> {
+    vec![Effect::Store(StoreCall::Release { key, token }), Effect::Count(Metric::Released)]
+}
+
+#[cfg(test)]
+#[path = "machine_tests.rs"]
+mod tests;

@@ -1,0 +1,72 @@
+//! The filter's counters. Envoy shows them as `wasmcustom.<name>` in `/stats` and with dots
+//! replaced by underscores in `/stats/prometheus`, summed across workers.
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Metric {
+    /// A guarded method with a well-formed key.
+    Guarded,
+    /// Answered from a stored record.
+    Replayed,
+    /// Sent to the upstream holding the lock.
+    Executed,
+    /// A record the store accepted (`stored` or `late`).
+    Stored,
+    /// `422`: the key was used with a different body.
+    Mismatched,
+    /// `409`: the original was still running after the wait.
+    Conflicted,
+    /// `400` (missing or malformed key) or `413` (body too large).
+    Rejected,
+    /// A guarded request that ran unguarded because the store failed (`failure_mode: open`).
+    Degraded,
+    /// `503` because the store failed (`failure_mode: closed`).
+    Unavailable,
+    /// A guarded method without a key, let through.
+    Passthrough,
+    /// A lock given back without a record: non-2xx, not JSON, too large, reset, client gone.
+    Released,
+    /// A commit the store did not take (a fault, or an earlier record won).
+    CommitFailed,
+    /// Any store call that failed, timed out or answered garbage.
+    StoreErrors,
+}
+
+impl Metric {
+    pub const ALL: [Metric; 13] = [
+        Metric::Guarded,
+        Metric::Replayed,
+        Metric::Executed,
+        Metric::Stored,
+        Metric::Mismatched,
+        Metric::Conflicted,
+        Metric::Rejected,
+        Metric::Degraded,
+        Metric::Unavailable,
+        Metric::Passthrough,
+        Metric::Released,
+        Metric::CommitFailed,
+        Metric::StoreErrors,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Guarded => "idempotency.guarded",
+            Metric::Replayed => "idempotency.replayed",
+            Metric::Executed => "idempotency.executed",
+            Metric::Stored => "idempotency.stored",
+            Metric::Mismatched => "idempotency.mismatched",
+            Metric::Conflicted => "idempotency.conflicted",
+            Metric::Rejected => "idempotency.rejected",
+            Metric::Degraded => "idempotency.degraded",
+            Metric::Unavailable => "idempotency.unavailable",
+            Metric::Passthrough => "idempotency.passthrough",
+            Metric::Released => "idempotency.released",
+            Metric::CommitFailed => "idempotency.commit_failed",
+            Metric::StoreErrors => "idempotency.store_errors",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        Metric::ALL.iter().position(|m| *m == self).unwrap_or(0)
+    }
+}

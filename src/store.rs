@@ -1,0 +1,257 @@
+//! The filter's side of the store protocol (`idem_protocol`): the callout each store call
+//! becomes, and strict decoding of the answers. Anything unexpected is a [`StoreFault`].
+
+use idem_protocol as proto;
+use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
+
+use crate::config::Config;
+use crate::record::Record;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreCall {
+    Begin { key: String, body_hash: String },
+    Commit { key: String, token: String, body_hash: String, record: Vec<u8> },
+    Release { key: String, token: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    Begin,
+    Commit,
+    Release,
+}
+
+/// An HTTP callout to the store cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Callout {
+    pub headers: Vec<(&'static str, String)>,
+    pub body: Option<Vec<u8>>,
+    pub timeout_ms: u64,
+}
+
+impl StoreCall {
+    pub fn kind(&self) -> CallKind {
+        match self {
+            StoreCall::Begin { .. } => CallKind::Begin,
+            StoreCall::Commit { .. } => CallKind::Commit,
+            StoreCall::Release { .. } => CallKind::Release,
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        match self {
+            StoreCall::Begin { key, .. } | StoreCall::Commit { key, .. } | StoreCall::Release { key, .. } => {
+                key
+            }
+        }
+    }
+
+    pub fn callout(&self, cfg: &Config) -> Callout {
+        let mut headers = vec![
+            (":method", "POST".to_string()),
+            (":authority", cfg.store_cluster.clone()),
+            (proto::HEADER_KEY, self.key().to_string()),
+        ];
+        let (path, body, timeout_ms) = match self {
+            StoreCall::Begin { body_hash, .. } => {
+                headers.push((proto::HEADER_BODY_HASH, body_hash.clone()));
+                headers.push((proto::HEADER_LOCK_TTL_MS, cfg.lock_ttl_ms.to_string()));
+                headers.push((proto::HEADER_WAIT_MS, cfg.lock_wait_ms.to_string()));
+                // The store may hold the call for the whole wait before it answers.
+                (proto::PATH_BEGIN, None, cfg.store_timeout_ms + cfg.lock_wait_ms)
+            }
+            StoreCall::Commit { token, body_hash, record, .. } => {
+                headers.push((proto::HEADER_TOKEN, token.clone()));
+                headers.push((proto::HEADER_BODY_HASH, body_hash.clone()));
+                headers.push((proto::HEADER_RETENTION_S, cfg.retention_seconds.to_string()));
+                headers.push(("content-type", "application/octet-stream".to_string()));
+                (proto::PATH_COMMIT, Some(record.clone()), cfg.store_timeout_ms)
+            }
+            StoreCall::Release { token, .. } => {
+                headers.push((proto::HEADER_TOKEN, token.clone()));
+                (proto::PATH_RELEASE, None, cfg.store_timeout_ms)
+            }
+        };
+        headers.insert(1, (":path", path.to_string()));
+        Callout { headers, body, timeout_ms }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreFault {
+    /// The callout could not be dispatched (unknown cluster, host error).
+    Dispatch,
+    /// The connection was reset or refused: the answer has no headers.
+    Reset,
+    /// Envoy's callout timeout fired (`:status 504`).
+    Timeout,
+    /// The store answered with a non-200 status.
+    Status(u16),
+    /// A 200 that does not follow the protocol.
+    Garbage(&'static str),
+}
+
+impl std::fmt::Display for StoreFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreFault::Dispatch => f.write_str("callout could not be dispatched"),
+            StoreFault::Reset => f.write_str("connection reset or refused"),
+            StoreFault::Timeout => f.write_str("timed out"),
+            StoreFault::Status(s) => write!(f, "answered status {s}"),
+            StoreFault::Garbage(what) => write!(f, "answered garbage: {what}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BeginAnswer {
+    Replay(Record),
+    Locked { token: String },
+    Busy,
+    Mismatch,
+}
+
+/// A store answer as the host received it.
+pub struct Answer<'a> {
+    pub headers: &'a [(String, Vec<u8>)],
+    pub body: &'a [u8],
+}
+
+impl Answer<'_> {
+    fn header(&self, name: &str) -> Option<&[u8]> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+    }
+
+    /// The outcome header of a well-formed `200`, or the fault.
+    fn outcome(&self) -> Result<&[u8], StoreFault> {
+        if self.headers.is_empty() {
+            return Err(StoreFault::Reset);
+        }
+        let status = self
+            .header(":status")
+            .and_then(|s| std::str::from_utf8(s).ok())
+            .and_then(|s| s.parse::<u16>().ok())
+            .ok_or(StoreFault::Garbage("no status"))?;
+        match status {
+            200 => self.header(proto::HEADER_OUTCOME).ok_or(StoreFault::Garbage("no outcome")),
+            504 => Err(StoreFault::Timeout),
+            other => Err(StoreFault::Status(other)),
+        }
+    }
+
+    pub fn begin(&self) -> Result<BeginAnswer, StoreFault> {
+        let outcome = BeginOutcome::parse(self.outcome()?).ok_or(StoreFault::Garbage("unknown outcome"))?;
+        Ok(match outcome {
+            BeginOutcome::Record => {
+                BeginAnswer::Replay(Record::decode(self.body).map_err(|e| StoreFault::Garbage(e.0))?)
+            }
+            BeginOutcome::Locked => {
+                let token = self.header(proto::HEADER_TOKEN).ok_or(StoreFault::Garbage("no token"))?;
+                if !proto::is_token(token) {
+                    return Err(StoreFault::Garbage("bad token"));
+                }
+                BeginAnswer::Locked { token: String::from_utf8_lossy(token).into_owned() }
+            }
+            BeginOutcome::Busy => BeginAnswer::Busy,
+            BeginOutcome::Mismatch => BeginAnswer::Mismatch,
+        })
+    }
+
+    pub fn commit(&self) -> Result<CommitOutcome, StoreFault> {
+        CommitOutcome::parse(self.outcome()?).ok_or(StoreFault::Garbage("unknown outcome"))
+    }
+
+    pub fn release(&self) -> Result<ReleaseOutcome, StoreFault> {
+        ReleaseOutcome::parse(self.outcome()?).ok_or(StoreFault::Garbage("unknown outcome"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config::from_json(br#"{"store_cluster":"idemstore","store_timeout_ms":700,"lock_wait_ms":300}"#)
+            .unwrap()
+    }
+
+    type Headers = Vec<(String, Vec<u8>)>;
+
+    fn answer(status: &str, outcome: Option<&str>, extra: &[(&str, &str)]) -> Headers {
+        let mut h = vec![(":status".to_string(), status.as_bytes().to_vec())];
+        if let Some(o) = outcome {
+            h.push((proto::HEADER_OUTCOME.to_string(), o.as_bytes().to_vec()));
+        }
+        for (n, v) in extra {
+            h.push((n.to_string(), v.as_bytes().to_vec()));
+        }
+        h
+    }
+
+    #[test]
+    fn callouts() {
+        let k = "a".repeat(64);
+        let begin = StoreCall::Begin { key: k.clone(), body_hash: "b".repeat(64) }.callout(&cfg());
+        assert_eq!(begin.timeout_ms, 1000);
+        assert!(begin.headers.contains(&(":path", "/v1/begin".into())));
+        assert!(begin.headers.contains(&(proto::HEADER_WAIT_MS, "300".into())));
+        assert!(begin.headers.contains(&(proto::HEADER_LOCK_TTL_MS, "30000".into())));
+        let commit = StoreCall::Commit {
+            key: k.clone(),
+            token: "t".into(),
+            body_hash: "b".repeat(64),
+            record: vec![1, 2],
+        }
+        .callout(&cfg());
+        assert_eq!(commit.timeout_ms, 700);
+        assert_eq!(commit.body, Some(vec![1, 2]));
+        assert!(commit.headers.contains(&(proto::HEADER_RETENTION_S, "86400".into())));
+        let release = StoreCall::Release { key: k, token: "t".into() }.callout(&cfg());
+        assert!(release.headers.contains(&(":path", "/v1/release".into())));
+        assert!(release.headers.contains(&(proto::HEADER_TOKEN, "t".into())));
+    }
+
+    #[test]
+    fn begin_answers() {
+        let rec = Record { status: 201, headers: vec![], body: b"{}".to_vec() };
+        let enc = rec.encode();
+        let h = answer("200", Some("record"), &[]);
+        assert_eq!(Answer { headers: &h, body: &enc }.begin(), Ok(BeginAnswer::Replay(rec)));
+        let h = answer("200", Some("locked"), &[(proto::HEADER_TOKEN, "tok1")]);
+        assert_eq!(
+            Answer { headers: &h, body: b"" }.begin(),
+            Ok(BeginAnswer::Locked { token: "tok1".into() })
+        );
+        let h = answer("200", Some("busy"), &[]);
+        assert_eq!(Answer { headers: &h, body: b"" }.begin(), Ok(BeginAnswer::Busy));
+        let h = answer("200", Some("mismatch"), &[]);
+        assert_eq!(Answer { headers: &h, body: b"" }.begin(), Ok(BeginAnswer::Mismatch));
+    }
+
+    #[test]
+    fn faults() {
+        let cases: Vec<(Headers, &[u8], StoreFault)> = vec![
+            (vec![], b"", StoreFault::Reset),
+            (answer("504", None, &[]), b"", StoreFault::Timeout),
+            (answer("503", None, &[]), b"", StoreFault::Status(503)),
+            (answer("abc", None, &[]), b"", StoreFault::Garbage("no status")),
+            (answer("200", None, &[]), b"", StoreFault::Garbage("no outcome")),
+            (answer("200", Some("what"), &[]), b"", StoreFault::Garbage("unknown outcome")),
+            (answer("200", Some("locked"), &[]), b"", StoreFault::Garbage("no token")),
+            (
+                answer("200", Some("locked"), &[(proto::HEADER_TOKEN, "a b")]),
+                b"",
+                StoreFault::Garbage("bad token"),
+            ),
+            (answer("200", Some("record"), &[]), b"junk", StoreFault::Garbage("bad magic")),
+        ];
+        for (h, body, fault) in cases {
+            assert_eq!(Answer { headers: &h, body }.begin(), Err(fault));
+        }
+        let h = answer("200", Some("stored"), &[]);
+        assert_eq!(Answer { headers: &h, body: b"" }.commit(), Ok(CommitOutcome::Stored));
+        let h = answer("200", Some("released"), &[]);
+        assert_eq!(Answer { headers: &h, body: b"" }.release(), Ok(ReleaseOutcome::Released));
+        assert!(Answer { headers: &h, body: b"" }.commit().is_err());
+    }
+}
