@@ -1,0 +1,186 @@
+//! `idemstore` command line: picks a backend, serves HTTP/1.1 and h2c until SIGTERM/ctrl-c.
+
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use idemstore::backend::memory::MemoryBackend;
+use idemstore::backend::redis::RedisBackend;
+use idemstore::backend::Backend;
+use idemstore::http;
+use idemstore::store::Store;
+use tokio::net::TcpListener;
+use tracing_subscriber::EnvFilter;
+
+/// How often the in-memory backend drops expired records and locks.
+const SWEEP_PERIOD: Duration = Duration::from_secs(5);
+
+/// Store-and-lock service for the Envoy idempotency filter.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    /// Address to listen on (HTTP/1.1 and h2c prior knowledge).
+    #[arg(long, env = "IDEMSTORE_LISTEN", default_value = "127.0.0.1:8380")]
+    listen: String,
+
+    /// Standalone Redis URL, e.g. redis://127.0.0.1:6379/0.
+    #[arg(long, env = "IDEMSTORE_REDIS", value_name = "URL")]
+    redis: Option<String>,
+
+    /// Redis Cluster seed node URLs, comma-separated.
+    #[arg(
+        long,
+        env = "IDEMSTORE_REDIS_CLUSTER",
+        value_name = "URLS",
+        value_delimiter = ',',
+        conflicts_with = "redis"
+    )]
+    redis_cluster: Vec<String>,
+
+    /// Timeout for connecting to Redis and for each Redis reply, in milliseconds.
+    #[arg(long, env = "IDEMSTORE_REDIS_TIMEOUT_MS", default_value_t = 1000)]
+    redis_timeout_ms: u64,
+
+    /// Largest accepted request body (a record to commit); larger ones get 413.
+    #[arg(long, env = "IDEMSTORE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
+    max_body_bytes: usize,
+
+    /// In-memory backend only: keys (records or locks) kept at most; `begin` answers 503 when
+    /// full.
+    #[arg(long, env = "IDEMSTORE_MEMORY_MAX_KEYS", default_value_t = 1_000_000)]
+    memory_max_keys: usize,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_ansi(std::io::stdout().is_terminal())
+        .init();
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), String> {
+    let listener =
+        TcpListener::bind(&cli.listen).await.map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let timeout = Duration::from_millis(cli.redis_timeout_ms.max(1));
+    if let Some(url) = &cli.redis {
+        let backend = RedisBackend::standalone(url, timeout)
+            .map_err(|e| format!("invalid --redis {}: {e}", redact(url)))?;
+        started(addr, &format!("redis {}", redact(url)));
+        serve(listener, backend, cli.max_body_bytes).await
+    } else if !cli.redis_cluster.is_empty() {
+        let backend = RedisBackend::cluster(&cli.redis_cluster, timeout)
+            .map_err(|e| format!("invalid --redis-cluster: {e}"))?;
+        let seeds: Vec<String> = cli.redis_cluster.iter().map(|u| redact(u)).collect();
+        started(addr, &format!("redis-cluster {}", seeds.join(",")));
+        serve(listener, backend, cli.max_body_bytes).await
+    } else {
+        let backend = MemoryBackend::new(cli.memory_max_keys);
+        backend.spawn_sweeper(SWEEP_PERIOD);
+        started(addr, &format!("memory (max {} keys)", cli.memory_max_keys));
+        tracing::warn!(
+            "in-memory backend: records and locks live in this process only and are not shared \
+             across idemstore instances; use --redis or --redis-cluster to run more than one"
+        );
+        serve(listener, backend, cli.max_body_bytes).await
+    }
+}
+
+fn started(addr: SocketAddr, backend: &str) {
+    tracing::info!("idemstore listening on {addr}, backend {backend}");
+}
+
+async fn serve<B: Backend>(listener: TcpListener, backend: B, max_body: usize) -> Result<(), String> {
+    let store = Arc::new(Store::new(backend));
+    if let Err(e) = store.health().await {
+        // Not fatal: Redis may come up after us; /healthz reports it meanwhile.
+        tracing::warn!(error = %e, "backend not reachable yet");
+    }
+    let app = http::router(Arc::clone(&store), max_body);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            tracing::info!("shutting down");
+            store.stop_waiting();
+        })
+        .await
+        .map_err(|e| format!("server error: {e}"))
+}
+
+async fn shutdown_signal() {
+    let interrupt = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot watch ctrl-c");
+            std::future::pending::<()>().await;
+        }
+    };
+    let terminate = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+}
+
+/// The URL without its password, for logs.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}://***@{}", &url[..scheme], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn redacts_credentials() {
+        assert_eq!(redact("redis://:secret@h:6379/0"), "redis://***@h:6379/0");
+        assert_eq!(redact("redis://h:6379"), "redis://h:6379");
+    }
+
+    #[test]
+    fn cluster_urls_split_and_conflict() {
+        let cli = Cli::try_parse_from(["idemstore", "--redis-cluster", "redis://a:1,redis://b:2"]).unwrap();
+        assert_eq!(cli.redis_cluster, ["redis://a:1", "redis://b:2"]);
+        assert!(Cli::try_parse_from([
+            "idemstore",
+            "--redis",
+            "redis://a:1",
+            "--redis-cluster",
+            "redis://b:2"
+        ])
+        .is_err());
+    }
+}

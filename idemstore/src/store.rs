@@ -1,0 +1,138 @@
+//! The three operations as the HTTP layer sees them: a backend plus the `begin` long-poll.
+
+use std::pin::pin;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::backend::{Attempt, Backend, CommitOutcome, ReleaseOutcome, Result};
+use crate::waiters::Waiters;
+
+/// First re-check delay for a lock held elsewhere; doubles up to [`MAX_RECHECK`]. Local
+/// commits and releases wake waiters at once; re-checks catch holders on other instances.
+const MIN_RECHECK: Duration = Duration::from_millis(20);
+/// Bounds how late a waiter notices a holder on another instance finishing.
+const MAX_RECHECK: Duration = Duration::from_millis(200);
+
+/// The answer to `begin` after any waiting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Begin {
+    Record(Bytes),
+    Mismatch,
+    Locked { token: String },
+    Busy,
+}
+
+#[derive(Debug)]
+pub struct Store<B> {
+    backend: B,
+    waiters: Waiters,
+    stopping: watch::Sender<bool>,
+    recheck: (Duration, Duration),
+}
+
+impl<B: Backend> Store<B> {
+    pub fn new(backend: B) -> Self {
+        Self::with_recheck(backend, MIN_RECHECK, MAX_RECHECK)
+    }
+
+    /// `min`..`max` bound the re-check delay while a lock is held elsewhere (tests widen
+    /// them to tell a wake-up from a re-check).
+    pub fn with_recheck(backend: B, min: Duration, max: Duration) -> Self {
+        Self {
+            backend,
+            waiters: Waiters::default(),
+            stopping: watch::Sender::new(false),
+            recheck: (min, max.max(min)),
+        }
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn waiters(&self) -> &Waiters {
+        &self.waiters
+    }
+
+    /// Ends every pending wait with `busy`, so a shutdown does not sit out long-polls.
+    pub fn stop_waiting(&self) {
+        self.stopping.send_replace(true);
+    }
+
+    /// Record, fresh lock or mismatch; when another request holds the lock, waits up to
+    /// `wait` for it to commit or release and tries again, answering `busy` at the deadline.
+    pub async fn begin(
+        &self,
+        key: &str,
+        body_hash: &str,
+        lock_ttl: Duration,
+        wait: Duration,
+    ) -> Result<Begin> {
+        let deadline = Instant::now() + wait;
+        let token = new_token();
+        // Subscribed before the first attempt, so a commit landing between our attempt and
+        // our sleep still wakes us.
+        let subscription = self.waiters.subscribe(key);
+        let mut stopping = self.stopping.subscribe();
+        let (mut recheck, max_recheck) = self.recheck;
+        loop {
+            let mut woken = pin!(subscription.notify().notified());
+            woken.as_mut().enable();
+            let remaining = match self.backend.try_begin(key, body_hash, &token, lock_ttl).await? {
+                Attempt::Record(bytes) => return Ok(Begin::Record(bytes)),
+                Attempt::Mismatch => return Ok(Begin::Mismatch),
+                Attempt::Locked => return Ok(Begin::Locked { token }),
+                Attempt::Held { remaining } => remaining,
+            };
+            let now = Instant::now();
+            if now >= deadline || *stopping.borrow_and_update() {
+                return Ok(Begin::Busy);
+            }
+            // Never sleep past the deadline, nor past the holder's expiry (then the lock is
+            // ours to take); at least 1 ms so an expiring lock cannot make us spin.
+            let mut nap = recheck.min(deadline - now);
+            if let Some(ttl) = remaining {
+                nap = nap.min(ttl);
+            }
+            let nap = nap.max(Duration::from_millis(1));
+            tokio::select! {
+                () = woken => {}
+                () = tokio::time::sleep(nap) => recheck = (recheck * 2).min(max_recheck),
+                _ = stopping.changed() => {}
+            }
+        }
+    }
+
+    pub async fn commit(
+        &self,
+        key: &str,
+        token: &str,
+        body_hash: &str,
+        record: Bytes,
+        retention: Duration,
+    ) -> Result<CommitOutcome> {
+        let outcome = self.backend.commit(key, token, body_hash, record, retention).await;
+        // Woken even on error: a waiter re-checking costs one attempt, a missed wake-up
+        // costs it the rest of its wait.
+        self.waiters.wake(key);
+        outcome
+    }
+
+    pub async fn release(&self, key: &str, token: &str) -> Result<ReleaseOutcome> {
+        let outcome = self.backend.release(key, token).await;
+        self.waiters.wake(key);
+        outcome
+    }
+
+    pub async fn health(&self) -> Result<()> {
+        self.backend.health().await
+    }
+}
+
+/// 128 random bits as 32 lowercase hex characters: valid under `is_token`.
+pub fn new_token() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}

@@ -1,0 +1,76 @@
+//! The shared scenarios against the in-memory backend.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemstore::backend::memory::MemoryBackend;
+use idemstore::store::Store;
+
+fn store() -> Store<MemoryBackend> {
+    Store::new(MemoryBackend::new(1000))
+}
+
+#[tokio::test]
+async fn begin_locks_then_replays() {
+    common::begin_locks_then_replays(&store()).await;
+}
+
+#[tokio::test]
+async fn waiter_woken_by_commit() {
+    common::waiter_woken_by_commit(MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn waiter_woken_by_release() {
+    common::waiter_woken_by_release(MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn busy_after_wait() {
+    common::busy_after_wait(&store()).await;
+}
+
+#[tokio::test]
+async fn mismatch() {
+    common::mismatch(&store()).await;
+}
+
+#[tokio::test]
+async fn release_lets_next_begin_lock() {
+    common::release_lets_next_begin_lock(&store()).await;
+}
+
+#[tokio::test]
+async fn late_commit_and_exists() {
+    common::late_commit_and_exists(&store()).await;
+}
+
+#[tokio::test]
+async fn expired_lock_is_taken_over() {
+    common::expired_lock_is_taken_over(&store()).await;
+}
+
+#[tokio::test]
+async fn record_expires() {
+    common::record_expires(&store(), Duration::from_millis(200)).await;
+}
+
+#[tokio::test]
+async fn binary_record() {
+    common::binary_record(&store()).await;
+}
+
+#[tokio::test]
+async fn waiter_on_other_instance() {
+    // Clones share the map but each store has its own waiters, like two processes on one Redis.
+    let backend = MemoryBackend::new(1000);
+    common::waiter_on_other_instance(Store::new(backend.clone()), Store::new(backend)).await;
+}
+
+#[tokio::test]
+async fn stop_waiting_answers_busy() {
+    common::stop_waiting_answers_busy(Arc::new(store())).await;
+}

@@ -1,0 +1,216 @@
+//! The shared scenarios against a real `redis-server`, one per test on a free loopback port.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idemstore::backend::redis::RedisBackend;
+use idemstore::backend::Backend;
+use idemstore::store::Store;
+
+/// A private `redis-server`, killed by PID when dropped.
+struct RedisServer {
+    child: Child,
+    url: String,
+}
+
+impl RedisServer {
+    async fn start() -> Self {
+        Self::start_on(free_port()).await
+    }
+
+    async fn start_on(port: u16) -> Self {
+        let bin = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+        let child = Command::new(bin)
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (apt-get install redis-server)");
+        let server = Self { child, url: url(port) };
+        let backend = server.backend();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while backend.health().await.is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not answer PING");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        server
+    }
+
+    fn backend(&self) -> RedisBackend<redis::aio::ConnectionManager> {
+        RedisBackend::standalone(&self.url, Duration::from_secs(2)).unwrap()
+    }
+
+    fn store(&self) -> Store<RedisBackend<redis::aio::ConnectionManager>> {
+        Store::new(self.backend())
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn url(port: u16) -> String {
+    format!("redis://127.0.0.1:{port}/")
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn begin_locks_then_replays() {
+    let redis = RedisServer::start().await;
+    common::begin_locks_then_replays(&redis.store()).await;
+}
+
+#[tokio::test]
+async fn waiter_woken_by_commit() {
+    let redis = RedisServer::start().await;
+    common::waiter_woken_by_commit(redis.backend()).await;
+}
+
+#[tokio::test]
+async fn waiter_woken_by_release() {
+    let redis = RedisServer::start().await;
+    common::waiter_woken_by_release(redis.backend()).await;
+}
+
+#[tokio::test]
+async fn busy_after_wait() {
+    let redis = RedisServer::start().await;
+    common::busy_after_wait(&redis.store()).await;
+}
+
+#[tokio::test]
+async fn mismatch() {
+    let redis = RedisServer::start().await;
+    common::mismatch(&redis.store()).await;
+}
+
+#[tokio::test]
+async fn release_lets_next_begin_lock() {
+    let redis = RedisServer::start().await;
+    common::release_lets_next_begin_lock(&redis.store()).await;
+}
+
+#[tokio::test]
+async fn late_commit_and_exists() {
+    let redis = RedisServer::start().await;
+    common::late_commit_and_exists(&redis.store()).await;
+}
+
+#[tokio::test]
+async fn expired_lock_is_taken_over() {
+    let redis = RedisServer::start().await;
+    common::expired_lock_is_taken_over(&redis.store()).await;
+}
+
+#[tokio::test]
+async fn record_expires() {
+    let redis = RedisServer::start().await;
+    common::record_expires(&redis.store(), Duration::from_secs(1)).await;
+}
+
+#[tokio::test]
+async fn binary_record() {
+    let redis = RedisServer::start().await;
+    common::binary_record(&redis.store()).await;
+}
+
+#[tokio::test]
+async fn waiter_on_other_instance() {
+    let redis = RedisServer::start().await;
+    common::waiter_on_other_instance(redis.store(), redis.store()).await;
+}
+
+#[tokio::test]
+async fn stop_waiting_answers_busy() {
+    let redis = RedisServer::start().await;
+    common::stop_waiting_answers_busy(Arc::new(redis.store())).await;
+}
+
+/// The stored layout is what the scripts promise: hash tag, 64-byte hash prefix, PX expiry.
+#[tokio::test]
+async fn stored_layout_and_expiry() {
+    let redis = RedisServer::start().await;
+    let store = redis.store();
+    let key = common::key();
+    let token = common::lock(&store, &key).await;
+    let client = redis::Client::open(redis.url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let lock: String =
+        redis::cmd("GET").arg(format!("idem:{{{key}}}:l")).query_async(&mut conn).await.unwrap();
+    assert_eq!(lock, token);
+    store
+        .commit(
+            &key,
+            &token,
+            &common::hash('a'),
+            bytes::Bytes::from_static(b"\0rec"),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    let record_key = format!("idem:{{{key}}}:r");
+    let value: Vec<u8> = redis::cmd("GET").arg(&record_key).query_async(&mut conn).await.unwrap();
+    assert_eq!(value, [common::hash('a').as_bytes(), b"\0rec"].concat());
+    let pttl: i64 = redis::cmd("PTTL").arg(&record_key).query_async(&mut conn).await.unwrap();
+    assert!((59_000..=60_000).contains(&pttl), "{pttl}");
+    let exists: i64 =
+        redis::cmd("EXISTS").arg(format!("idem:{{{key}}}:l")).query_async(&mut conn).await.unwrap();
+    assert_eq!(exists, 0);
+}
+
+/// Redis down: every operation fails fast (503 upstream) instead of queueing behind
+/// reconnect retries; once Redis is back, the same backend recovers.
+#[tokio::test]
+async fn redis_outage_fails_fast_and_recovers() {
+    let port = free_port();
+    let redis = RedisServer::start_on(port).await;
+    let store = redis.store();
+    store.health().await.unwrap();
+    drop(redis);
+    for _ in 0..3 {
+        let started = Instant::now();
+        assert!(store.health().await.is_err());
+        let begun = store.begin(&common::key(), &common::hash('a'), common::TTL, common::WAIT).await;
+        assert!(begun.is_err());
+        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+    }
+    let _redis = RedisServer::start_on(port).await;
+    common::begin_locks_then_replays(&store).await;
+}
+
+/// Started before Redis: the lazy connection comes up once Redis does.
+#[tokio::test]
+async fn starts_before_redis() {
+    let port = free_port();
+    let backend = RedisBackend::standalone(&url(port), Duration::from_secs(1)).unwrap();
+    assert!(backend.health().await.is_err());
+    let _redis = RedisServer::start_on(port).await;
+    backend.health().await.unwrap();
+}
+
+/// A Redis that accepts but never answers (SIGSTOP): operations end at the timeout.
+#[tokio::test]
+async fn frozen_redis_times_out() {
+    let redis = RedisServer::start().await;
+    let timeout = Duration::from_millis(300);
+    let backend = RedisBackend::standalone(&redis.url, timeout).unwrap();
+    backend.health().await.unwrap();
+    let pid = redis.child.id().to_string();
+    assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let started = Instant::now();
+    let attempt = backend.try_begin(&common::key(), &common::hash('a'), "t", common::TTL).await;
+    let took = started.elapsed();
+    assert!(Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
+    assert!(attempt.is_err());
+    assert!(took >= timeout && took < timeout + Duration::from_millis(700), "took {took:?}");
+}

@@ -1,0 +1,155 @@
+//! The shared scenarios against a real 3-master Redis Cluster on loopback ports.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use idemstore::backend::redis::RedisBackend;
+use idemstore::backend::Backend;
+use idemstore::store::Store;
+use redis::cluster_async::ClusterConnection;
+
+/// Three cluster-enabled `redis-server`s joined by `redis-cli --cluster create`, killed by
+/// PID when dropped.
+struct Cluster {
+    nodes: Vec<Child>,
+    urls: Vec<String>,
+    _dir: TempDir,
+}
+
+/// A scratch folder for the nodes' `nodes.conf`, removed when dropped.
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Cluster nodes also listen on port + 10000, so the port must stay below 55536.
+fn free_port() -> u16 {
+    loop {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let bus = std::net::TcpListener::bind(("127.0.0.1", port.wrapping_add(10_000)));
+        if port <= 55_535 && bus.is_ok() {
+            return port;
+        }
+    }
+}
+
+impl Cluster {
+    async fn start() -> Self {
+        let dir = std::env::temp_dir().join(format!("idemstore-cluster-{}", common::key()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let dir = TempDir(dir);
+        let mut cluster = Self { nodes: Vec::new(), urls: Vec::new(), _dir: dir };
+        let mut addrs = Vec::new();
+        for i in 0..3 {
+            let port = free_port();
+            let node_dir = cluster._dir.0.join(i.to_string());
+            std::fs::create_dir_all(&node_dir).unwrap();
+            let child = Command::new("redis-server")
+                .current_dir(&node_dir)
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+                .args(["--appendonly", "no", "--cluster-enabled", "yes"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server must be installed");
+            cluster.nodes.push(child);
+            addrs.push(format!("127.0.0.1:{port}"));
+            cluster.urls.push(format!("redis://127.0.0.1:{port}/"));
+        }
+        for addr in &addrs {
+            let port = addr.rsplit(':').next().unwrap();
+            wait_for(|| redis_cli(&["-p", port, "ping"]).is_some_and(|out| out.trim() == "PONG")).await;
+        }
+        let mut create = vec!["--cluster", "create"];
+        create.extend(addrs.iter().map(String::as_str));
+        create.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        assert!(redis_cli(&create).is_some(), "redis-cli --cluster create failed");
+        for addr in &addrs {
+            let port = addr.rsplit(':').next().unwrap();
+            wait_for(|| {
+                redis_cli(&["-p", port, "cluster", "info"])
+                    .is_some_and(|out| out.contains("cluster_state:ok"))
+            })
+            .await;
+        }
+        cluster
+    }
+
+    fn store(&self) -> Store<RedisBackend<ClusterConnection>> {
+        Store::new(RedisBackend::cluster(&self.urls, Duration::from_secs(2)).unwrap())
+    }
+}
+
+fn redis_cli(args: &[&str]) -> Option<String> {
+    let out = Command::new("redis-cli").args(args).stdin(Stdio::null()).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+async fn wait_for(mut ready: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ready() {
+        assert!(Instant::now() < deadline, "cluster did not come up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            let _ = node.kill();
+            let _ = node.wait();
+        }
+    }
+}
+
+/// One cluster for all scenarios: starting one costs seconds. Keys are random, so they
+/// spread over the three masters' slots.
+#[tokio::test]
+async fn scenarios_on_three_masters() {
+    let cluster = Cluster::start().await;
+    let store = cluster.store();
+    store.health().await.unwrap();
+    for _ in 0..6 {
+        common::begin_locks_then_replays(&store).await;
+    }
+    common::mismatch(&store).await;
+    common::release_lets_next_begin_lock(&store).await;
+    common::late_commit_and_exists(&store).await;
+    common::busy_after_wait(&store).await;
+    common::binary_record(&store).await;
+    common::waiter_woken_by_commit(cluster.store().backend().clone()).await;
+    common::waiter_on_other_instance(cluster.store(), cluster.store()).await;
+}
+
+/// A master down (no replica to fail over to): keys in its slots fail fast, within the
+/// timeout, instead of riding the client's retries; keys on the other masters still work.
+#[tokio::test]
+async fn dead_master_fails_only_its_slots_and_fast() {
+    let mut cluster = Cluster::start().await;
+    let timeout = Duration::from_millis(500);
+    let backend = RedisBackend::cluster(&cluster.urls, timeout).unwrap();
+    backend.health().await.unwrap();
+    cluster.nodes[1].kill().unwrap();
+    cluster.nodes[1].wait().unwrap();
+    let (mut ok, mut failed) = (0, 0);
+    // 40 random keys: all on one side of the split by chance is below 1e-7.
+    for _ in 0..40 {
+        let started = Instant::now();
+        let attempt = backend.try_begin(&common::key(), &common::hash('a'), "t", common::TTL).await;
+        let took = started.elapsed();
+        assert!(took < timeout + Duration::from_millis(700), "took {took:?}");
+        if attempt.is_ok() {
+            ok += 1;
+        } else {
+            failed += 1;
+        }
+    }
+    assert!(ok > 0 && failed > 0, "ok {ok}, failed {failed}");
+}
