@@ -260,14 +260,17 @@ impl Stream {
         }
     }
 
-    /// A store fault before the upstream ran: run unguarded, or refuse.
+    /// A store fault before the upstream ran: the guarantee is given up (counted as degraded)
+    /// by running unguarded, or by refusing.
     fn fault(&mut self, _fault: StoreFault) -> Vec<Effect> {
         self.state = State::Done;
         match self.cfg.failure_mode {
             FailureMode::Open => vec![Effect::Resume, Effect::Count(Metric::Degraded)],
-            FailureMode::Closed => {
-                vec![Effect::Respond(problem::store_unavailable()), Effect::Count(Metric::Unavailable)]
-            }
+            FailureMode::Closed => vec![
+                Effect::Respond(problem::store_unavailable()),
+                Effect::Count(Metric::Degraded),
+                Effect::Count(Metric::Unavailable),
+            ],
         }
     }
 

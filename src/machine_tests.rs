@@ -296,7 +296,7 @@ fn store_faults_fail_open_or_closed() {
         s.on_request_headers(&MockView::post(Some("k")), true);
         let effects = s.on_begin_answer(Err(fault));
         assert_eq!(respond_status(&effects), Some(503));
-        assert_eq!(counts(&effects), vec![Metric::Unavailable]);
+        assert_eq!(counts(&effects), vec![Metric::Degraded, Metric::Unavailable]);
     }
 }
 

@@ -17,7 +17,8 @@ pub enum Metric {
     Conflicted,
     /// `400` (missing or malformed key) or `413` (body too large).
     Rejected,
-    /// A guarded request that ran unguarded because the store failed (`failure_mode: open`).
+    /// A guarded request whose `begin` failed: it ran unguarded (`failure_mode: open`) or got
+    /// `503` (`failure_mode: closed`).
     Degraded,
     /// `503` because the store failed (`failure_mode: closed`).
     Unavailable,

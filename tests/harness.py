@@ -1,0 +1,585 @@
+"""Process and HTTP plumbing for the end-to-end suite (stdlib only).
+
+Processes are started in their own process group with their output in log files under the
+run directory, waited for by polling with a deadline, and stopped by PID (terminate, then kill
+after a timeout). Nothing here ever kills by name.
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+LOOPBACK = "127.0.0.1"
+
+_LIVE: list["Proc"] = []
+_LIVE_LOCK = threading.Lock()
+_BASE_IDS = itertools.count(int(os.environ.get("IDEM_TEST_BASE_ID", "0")) or (os.getpid() % 20000) * 10 + 1000)
+
+
+class HarnessError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# ports and artifacts
+# --------------------------------------------------------------------------------------------
+
+_used_ports: set[int] = set()
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A loopback port that was free a moment ago (bind to port 0, read, close)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _used_ports:
+            _used_ports.add(port)
+            return port
+    raise HarnessError("no free port")
+
+
+def artifact(env: str, default: Path | str, what: str) -> str:
+    value = os.environ.get(env) or str(default)
+    path = Path(value)
+    if not path.is_absolute():
+        path = ROOT / path
+    if not path.exists():
+        raise HarnessError(f"{what} not found at {path} (set {env}, or run `make build` / `make envoy`)")
+    return str(path)
+
+
+def envoy_bin() -> str:
+    return artifact("ENVOY_BIN", ".tools/envoy-1.40.0/envoy/_bin/envoy", "envoy binary")
+
+
+def wasm_path() -> str:
+    return artifact("FILTER_WASM", "target/wasm32-wasip1/release/idempotency_filter.wasm", "filter wasm")
+
+
+def idemstore_bin() -> str:
+    return artifact("IDEMSTORE_BIN", "target/release/idemstore", "idemstore binary")
+
+
+def redis_bin() -> str:
+    value = os.environ.get("REDIS_SERVER") or shutil.which("redis-server")
+    if not value:
+        raise HarnessError("redis-server not found (apt-get install redis-server, or set REDIS_SERVER)")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# processes
+# --------------------------------------------------------------------------------------------
+
+
+def tail(path: Path | str, lines: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", "replace")
+    except OSError as e:
+        return f"<cannot read {path}: {e}>"
+    return "\n".join(data.splitlines()[-lines:])
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen
+    stopped: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 40) -> str:
+        return tail(self.log, lines)
+
+    def describe(self, lines: int = 40) -> str:
+        state = "running" if self.alive() else f"exited {self.returncode()}"
+        return f"--- {self.name} (pid {self.pid}, {state}) log {self.log} (last {lines} lines):\n{self.tail(lines)}"
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """Terminate by PID, then kill after `timeout` seconds."""
+        if not self.stopped:
+            self.stopped = True
+            if self.popen.poll() is None:
+                try:
+                    self.popen.send_signal(signal.SIGTERM)
+                    self.popen.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.popen.kill()
+                    self.popen.wait(timeout)
+                except ProcessLookupError:
+                    pass
+            with _LIVE_LOCK:
+                if self in _LIVE:
+                    _LIVE.remove(self)
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        """SIGKILL by PID, for fault injection."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(10)
+        self.stopped = True
+        with _LIVE_LOCK:
+            if self in _LIVE:
+                _LIVE.remove(self)
+
+
+def start(name: str, argv: list[str], run_dir: Path, env: dict | None = None, cwd: Path | None = None) -> Proc:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / f"{name}.log"
+    n = 1
+    while log.exists():
+        n += 1
+        log = run_dir / f"{name}-{n}.log"
+    out = open(log, "wb")
+    out.write(("$ " + " ".join(argv) + "\n").encode())
+    out.flush()
+    # The services read IDEMSTORE_* variables as flags: only the harness's arguments count.
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMSTORE_") or k == "IDEMSTORE_BIN"}
+    if env:
+        full_env.update(env)
+    popen = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=str(cwd or ROOT),
+        env=full_env,
+        start_new_session=True,
+    )
+    out.close()
+    proc = Proc(name, argv, log, popen)
+    with _LIVE_LOCK:
+        _LIVE.append(proc)
+    return proc
+
+
+def live_processes() -> list[Proc]:
+    with _LIVE_LOCK:
+        return list(_LIVE)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for proc in reversed(live_processes()):
+        try:
+            proc.stop(timeout=3)
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+
+
+def wait_for(check, what: str, proc: Proc | None = None, timeout: float = 20.0, interval: float = 0.05):
+    """Poll `check()` until it returns a truthy value; fail with the process log tail."""
+    deadline = time.monotonic() + timeout
+    last_err: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise HarnessError(f"{what}: {proc.name} exited with {proc.returncode()}\n{proc.describe(60)}")
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - polling
+            last_err = e
+        time.sleep(interval)
+    extra = f"\n{proc.describe(60)}" if proc is not None else ""
+    raise HarnessError(f"timed out after {timeout}s waiting for {what} (last error: {last_err!r}){extra}")
+
+
+def await_ready(proc: Proc, check, what: str, timeout: float = 20.0):
+    """wait_for(), but a process that never becomes ready is stopped before the error."""
+    try:
+        return wait_for(check, what, proc, timeout=timeout)
+    except HarnessError:
+        proc.stop()
+        raise
+
+
+def tcp_accepts(port: int, host: str = LOOPBACK) -> bool:
+    with socket.create_connection((host, port), timeout=0.5):
+        return True
+
+
+def http_get_status(port: int, path: str, host: str = LOOPBACK, timeout: float = 1.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def redis_ping(port: int, host: str = LOOPBACK) -> bool:
+    with socket.create_connection((host, port), timeout=0.5) as s:
+        s.sendall(b"PING\r\n")
+        return s.recv(64).startswith(b"+PONG")
+
+
+# --------------------------------------------------------------------------------------------
+# the services
+# --------------------------------------------------------------------------------------------
+
+
+def start_redis(run_dir: Path) -> tuple[Proc, int]:
+    port = free_port()
+    data = run_dir / f"redis-{port}"
+    data.mkdir(parents=True, exist_ok=True)
+    proc = start(
+        "redis",
+        [redis_bin(), "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
+         "--dir", str(data), "--daemonize", "no", "--protected-mode", "no"],
+        run_dir,
+    )
+    await_ready(proc, lambda: redis_ping(port), "redis PING")
+    return proc, port
+
+
+def start_idemstore(run_dir: Path, redis_url: str | None = None, port: int | None = None) -> tuple[Proc, int]:
+    port = port or free_port()
+    argv = [idemstore_bin(), "--listen", f"{LOOPBACK}:{port}"]
+    if redis_url:
+        argv += ["--redis", redis_url]
+    proc = start("idemstore", argv, run_dir, env={"RUST_LOG": os.environ.get("IDEMSTORE_LOG", "info")})
+    await_ready(proc, lambda: http_get_status(port, "/healthz")[0] == 200, "idemstore /healthz")
+    return proc, port
+
+
+def start_upstream(run_dir: Path) -> tuple[Proc, int]:
+    port = free_port()
+    proc = start("upstream", [sys.executable, str(TESTS / "upstream.py"), "--port", str(port), "--quiet"], run_dir)
+    await_ready(proc, lambda: http_get_status(port, "/__health")[0] == 200, "upstream /__health")
+    return proc, port
+
+
+# --------------------------------------------------------------------------------------------
+# Envoy configuration (rendered as JSON, which is YAML)
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_ROUTES = [
+    {"name": "orders", "match": {"prefix": "/orders"}, "route": {"cluster": "upstream", "timeout": "20s"}},
+    {"name": "payments", "match": {"prefix": "/payments"}, "route": {"cluster": "upstream", "timeout": "20s"}},
+    # no name: the filter scopes records by the path without its query string
+    {"match": {"prefix": "/"}, "route": {"cluster": "upstream", "timeout": "20s"}},
+]
+
+
+def wasm_filter(plugin_config: dict | str, wasm: str, vm_id: str = "idempotency",
+                failure_policy: str = "FAIL_RELOAD") -> dict:
+    value = plugin_config if isinstance(plugin_config, str) else json.dumps(plugin_config)
+    return {
+        "name": "envoy.filters.http.wasm",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "idempotency",
+                "root_id": "idempotency",
+                "allow_on_headers_stop_iteration": True,
+                "failure_policy": failure_policy,
+                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": value},
+                "vm_config": {
+                    "vm_id": vm_id,
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": {"local": {"filename": wasm}},
+                },
+            },
+        },
+    }
+
+
+ROUTER = {
+    "name": "envoy.filters.http.router",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+}
+
+
+def listener(name: str, port: int, http_filters: list[dict], routes: list[dict] | None = None) -> dict:
+    return {
+        "name": name,
+        "address": {"socket_address": {"address": LOOPBACK, "port_value": port}},
+        "per_connection_buffer_limit_bytes": 2097152,
+        "filter_chains": [{
+            "filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": name,
+                    "codec_type": "AUTO",
+                    "route_config": {
+                        "name": f"{name}_routes",
+                        "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes or DEFAULT_ROUTES}],
+                    },
+                    "http_filters": http_filters + [ROUTER],
+                },
+            }],
+        }],
+    }
+
+
+def static_cluster(name: str, port: int, http2: bool = False, connect_timeout: str = "1s") -> dict:
+    c = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": connect_timeout,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": LOOPBACK, "port_value": port}}}}]}],
+        },
+    }
+    if http2:
+        c["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return c
+
+
+def envoy_config(admin_port: int, listeners: list[dict], upstream_port: int, idemstore_port: int) -> dict:
+    return {
+        "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": listeners,
+            "clusters": [
+                static_cluster("upstream", upstream_port),
+                static_cluster("idemstore", idemstore_port, http2=True, connect_timeout="0.25s"),
+            ],
+        },
+    }
+
+
+@dataclass
+class Envoy:
+    proc: Proc
+    admin_port: int
+    ports: dict[str, int] = field(default_factory=dict)
+    config_path: Path | None = None
+
+    def port(self, listener_name: str) -> int:
+        return self.ports[listener_name]
+
+    def stats(self, filter_regex: str) -> dict[str, int]:
+        q = urllib.parse.urlencode({"filter": filter_regex})
+        status, body = http_get_status(self.admin_port, f"/stats?{q}", timeout=5)
+        if status != 200:
+            raise HarnessError(f"admin /stats answered {status}")
+        out: dict[str, int] = {}
+        for line in body.decode().splitlines():
+            name, sep, value = line.partition(": ")
+            if sep:
+                try:
+                    out[name.strip()] = int(value.strip())
+                except ValueError:
+                    pass
+        return out
+
+    def counter(self, name: str) -> int:
+        """`wasmcustom.idempotency.<name>` (or a full stat name); a missing counter is 0."""
+        full = name if "." in name else f"wasmcustom.idempotency.{name}"
+        return self.stats("^" + full.replace(".", r"\.") + "$").get(full, 0)
+
+    def counters(self) -> dict[str, int]:
+        return {k.rsplit(".", 1)[1]: v for k, v in self.stats(r"^wasmcustom\.idempotency\.").items()}
+
+    def log_text(self) -> str:
+        return self.proc.log_text()
+
+    def stop(self) -> int | None:
+        return self.proc.stop(timeout=10)
+
+
+def write_config(run_dir: Path, name: str, config: dict) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"{name}.yaml"
+    n = 1
+    while path.exists():
+        n += 1
+        path = run_dir / f"{name}-{n}.yaml"
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def launch_envoy(run_dir: Path, name: str, config: dict, log_level: str = "info",
+                 concurrency: int = 2) -> Proc:
+    path = write_config(run_dir, name, config)
+    argv = [envoy_bin(), "-c", str(path), "--base-id", str(next(_BASE_IDS)), "--disable-hot-restart",
+            "--concurrency", str(concurrency), "-l", log_level]
+    return start(name, argv, run_dir)
+
+
+def start_envoy(run_dir: Path, name: str, listener_filters: dict[str, list[dict]], upstream_port: int,
+                idemstore_port: int, timeout: float = 30.0, log_level: str = "info") -> Envoy:
+    """Start an Envoy with one listener per entry (name -> http filters before the router)."""
+    admin_port = free_port()
+    ports = {ln: free_port() for ln in listener_filters}
+    listeners = [listener(ln, ports[ln], filters) for ln, filters in listener_filters.items()]
+    config = envoy_config(admin_port, listeners, upstream_port, idemstore_port)
+    proc = launch_envoy(run_dir, name, config, log_level=log_level)
+    envoy = Envoy(proc, admin_port, ports, Path(proc.argv[2]))
+    await_ready(proc, lambda: http_get_status(admin_port, "/ready")[1].strip() == b"LIVE",
+                "envoy admin /ready LIVE", timeout=timeout)
+    for ln, port in ports.items():
+        await_ready(proc, lambda p=port: tcp_accepts(p), f"envoy listener {ln} on {port}", timeout=timeout)
+    return envoy
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP client
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Response:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    elapsed: float = 0.0
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        for k, v in self.headers:
+            if k.lower() == name:
+                return v
+        return None
+
+    def header_all(self, name: str) -> list[str]:
+        name = name.lower()
+        return [v for k, v in self.headers if k.lower() == name]
+
+    def json(self):
+        return json.loads(self.body)
+
+    def __repr__(self) -> str:
+        body = self.body[:300]
+        return f"Response({self.status}, headers={self.headers!r}, body={body!r}{'...' if len(self.body) > 300 else ''})"
+
+
+def request(port: int, method: str, path: str, body: bytes | str | list[bytes] | None = b"",
+            headers: list[tuple[str, str | bytes]] | dict | None = None, source: str | None = None,
+            timeout: float = 30.0, host: str = LOOPBACK) -> Response:
+    """One request on a fresh connection, headers sent exactly as given (duplicates, raw bytes).
+
+    `source` binds the client socket to that local address (e.g. "127.0.0.2"). A list body is
+    sent with `transfer-encoding: chunked`, one chunk per item.
+    """
+    if isinstance(body, list):
+        return _request_chunked(port, method, path, body, headers, source, timeout, host)
+    if isinstance(body, str):
+        body = body.encode()
+    if isinstance(headers, dict):
+        headers = list(headers.items())
+    headers = list(headers or [])
+    conn = http.client.HTTPConnection(host, port, timeout=timeout,
+                                      source_address=(source, 0) if source else None)
+    t0 = time.monotonic()
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        conn.putheader("host", f"{host}:{port}")
+        for name, value in headers:
+            conn.putheader(name, value)
+        if body is not None and not any(n.lower() == "content-length" for n, _ in headers):
+            conn.putheader("content-length", str(len(body)))
+        try:
+            conn.endheaders(body or None)
+        except (BrokenPipeError, ConnectionResetError):
+            # The proxy may answer (e.g. 413) and close before the whole body is sent: the
+            # answer is still in the socket's receive buffer.
+            pass
+        resp = conn.getresponse()
+        data = resp.read()
+        return Response(resp.status, [(k.lower(), v) for k, v in resp.getheaders()], data, time.monotonic() - t0)
+    finally:
+        conn.close()
+
+
+def _request_chunked(port, method, path, chunks, headers, source, timeout, host) -> Response:
+    if isinstance(headers, dict):
+        headers = list(headers.items())
+    conn = http.client.HTTPConnection(host, port, timeout=timeout,
+                                      source_address=(source, 0) if source else None)
+    t0 = time.monotonic()
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        conn.putheader("host", f"{host}:{port}")
+        for name, value in headers or []:
+            conn.putheader(name, value)
+        conn.putheader("transfer-encoding", "chunked")
+        conn.endheaders(iter(chunks), encode_chunked=True)
+        resp = conn.getresponse()
+        data = resp.read()
+        return Response(resp.status, [(k.lower(), v) for k, v in resp.getheaders()], data, time.monotonic() - t0)
+    finally:
+        conn.close()
+
+
+def new_key(prefix: str = "k") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Upstream:
+    """Client for the counting upstream's control endpoints."""
+
+    def __init__(self, proc: Proc, port: int):
+        self.proc = proc
+        self.port = port
+
+    def _get(self, endpoint: str, **query) -> dict:
+        q = urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        status, body = http_get_status(self.port, f"{endpoint}?{q}" if q else endpoint, timeout=5)
+        if status != 200:
+            raise HarnessError(f"upstream {endpoint} answered {status}")
+        return json.loads(body)
+
+    def count(self, key: str | None = None, path: str | None = None, method: str | None = None) -> int:
+        return self._get("/__counts", key=key, path=path, method=method)["count"]
+
+    def executions(self, key: str | None = None, path: str | None = None) -> list[dict]:
+        return self._get("/__executions", key=key, path=path)["executions"]
+
+    def reset(self) -> None:
+        conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=5)
+        try:
+            conn.request("POST", "/__reset", body=b"")
+            conn.getresponse().read()
+        finally:
+            conn.close()

@@ -1,0 +1,136 @@
+"""Contract items 5 and 7: duplicates in flight, the lock wait, retention."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from checks import assert_executed, assert_problem, assert_replay_of
+from harness import new_key
+
+
+def send_later(fn, delay: float):
+    """Run fn() in a thread after `delay` seconds; returns (thread, result dict)."""
+    out: dict = {}
+
+    def run():
+        time.sleep(delay)
+        try:
+            out["resp"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def result(out: dict):
+    if "error" in out:
+        raise out["error"]
+    return out["resp"]
+
+
+def wait_executing(stack, key: str, timeout: float = 5.0) -> None:
+    """Until the upstream has started the original (so it holds the lock)."""
+    deadline = time.monotonic() + timeout
+    while stack.upstream.count(key=key) == 0:
+        assert time.monotonic() < deadline, "the original never reached the upstream"
+        time.sleep(0.01)
+
+
+def test_duplicate_in_flight_waits_and_replays(stack):
+    key = new_key()
+    hdrs = [("x-test-sleep-ms", "1000")]
+    t1, o1 = send_later(lambda: stack.post("/orders", "{}", key, headers=hdrs), 0)
+    wait_executing(stack, key)
+    t2, o2 = send_later(lambda: stack.post("/orders", "{}", key, headers=hdrs), 0.2)
+    t1.join(30)
+    t2.join(30)
+    original, duplicate = result(o1), result(o2)
+    assert_executed(original, 201)
+    assert_replay_of(duplicate, original)
+    # It waited for the original rather than failing fast or running again.
+    assert duplicate.elapsed >= 0.4, duplicate.elapsed
+    assert stack.upstream.count(key=key) == 1
+
+
+def test_duplicate_in_flight_past_lock_wait_is_409(stack):
+    key = new_key()
+    hdrs = [("x-test-sleep-ms", "2500")]
+    before = stack.counter("conflicted")
+    t1, o1 = send_later(lambda: stack.post("/orders", "{}", key, listener="short", headers=hdrs), 0)
+    wait_executing(stack, key)
+    t2, o2 = send_later(lambda: stack.post("/orders", "{}", key, listener="short", headers=hdrs), 0.2)
+    t2.join(30)
+    duplicate = result(o2)
+    assert_problem(duplicate, 409, raw_key=key)
+    # lock_wait_ms is 1000 on this listener
+    assert 0.8 <= duplicate.elapsed <= 2.2, duplicate.elapsed
+    t1.join(30)
+    original = result(o1)
+    assert_executed(original, 201)
+    assert stack.upstream.count(key=key) == 1
+    assert stack.counter("conflicted") == before + 1
+    # After the original finished, a retry replays it.
+    assert_replay_of(stack.post("/orders", "{}", key, listener="short"), original)
+    assert stack.upstream.count(key=key) == 1
+
+
+def test_record_expires_after_retention(stack):
+    key = new_key()
+    first = stack.post("/orders", "{}", key, listener="short")
+    assert_executed(first, 201)
+    assert_replay_of(stack.post("/orders", "{}", key, listener="short"), first)
+    time.sleep(3.0)  # retention_seconds is 2 on this listener
+    again = stack.post("/orders", "{}", key, listener="short")
+    assert_executed(again, 201)
+    assert again.body != first.body
+    assert stack.upstream.count(key=key) == 2
+
+
+def test_many_simultaneous_duplicates_execute_once(stack):
+    key = new_key()
+    hdrs = [("x-test-sleep-ms", "500")]
+    barrier = threading.Barrier(8)
+
+    def one():
+        barrier.wait(5)
+        return stack.post("/orders", '{"item":"x"}', key, headers=hdrs)
+
+    runs = [send_later(one, 0) for _ in range(8)]
+    resps = []
+    for t, out in runs:
+        t.join(30)
+        resps.append(result(out))
+    assert stack.upstream.count(key=key) == 1
+    originals = [r for r in resps if r.header("x-idempotent-replay") is None]
+    assert len(originals) == 1, resps
+    for r in resps:
+        if r is not originals[0]:
+            assert_replay_of(r, originals[0])
+
+
+def test_client_gone_releases_the_lock(stack):
+    """The client hangs up while the upstream runs: the lock is given back, so a retry is
+    not stuck behind it (it runs again: the upstream may or may not have finished, which is
+    Envoy's documented behaviour, envoyproxy/envoy#11931)."""
+    import socket
+
+    key = new_key()
+    released = stack.counter("released")
+    sock = socket.create_connection(("127.0.0.1", stack.port()))
+    sock.sendall((f"POST /orders HTTP/1.1\r\nhost: x\r\nIdempotency-Key: {key}\r\n"
+                  "content-type: application/json\r\nx-test-sleep-ms: 1500\r\ncontent-length: 2\r\n\r\n{}").encode())
+    deadline = time.monotonic() + 5
+    while stack.upstream.count(key=key) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stack.upstream.count(key=key) == 1
+    sock.close()
+    assert stack.wait_counter("released", released + 1) == released + 1
+
+    retry = stack.post("/orders", "{}", key)
+    assert_executed(retry, 201)
+    assert retry.elapsed < 1.0, retry.elapsed  # not waiting on an orphaned lock
+    assert stack.upstream.count(key=key) == 2
+    assert_replay_of(stack.post("/orders", "{}", key), retry)

@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""A counting upstream for the end-to-end suite (stdlib only).
+
+Every request to a path that does not start with ``/__`` is one *execution*: it is recorded
+with its method, path (query string included), the value of its ``Idempotency-Key`` header
+(or ``""``) and the id minted for it. Tests read the record back:
+
+* ``GET /__counts?key=K&path=P&method=M`` -> ``{"count": n}`` for the executions matching
+  every given filter (``path`` matches the path without its query string unless the filter
+  itself has a ``?``); without filters -> ``{"count": total, "executions": [...]}``.
+* ``GET /__executions?key=K`` -> ``{"executions": [...]}`` (the same filters).
+* ``POST /__reset`` forgets everything.
+
+How an execution answers is chosen per request by headers, so each test picks its own:
+
+* ``x-test-status``: status code (default ``201``). A ``204`` or ``304`` has no body.
+* ``x-test-sleep-ms``: sleep this long before answering.
+* ``x-test-content-type``: response content type (default ``application/json``).
+* ``x-test-body``: the response body, verbatim, instead of the default JSON document.
+* ``x-test-body-bytes``: pad the default JSON document to exactly this many bytes.
+
+The default body is JSON with a fresh per-execution id (``thing_000001``, ...), the method,
+path, key, and the request body (as text when short, else its length and SHA-256), plus a
+``location: /things/<id>`` header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+ECHO_LIMIT = 4096
+
+
+class State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.seq = 0
+        self.executions: list[dict] = []
+
+    def record(self, method: str, path: str, key: str, body: bytes) -> dict:
+        with self.lock:
+            self.seq += 1
+            ex = {
+                "seq": self.seq,
+                "id": f"thing_{self.seq:06d}",
+                "method": method,
+                "path": path,
+                "key": key,
+                "body_len": len(body),
+                "at": time.time(),
+            }
+            self.executions.append(ex)
+            return dict(ex)
+
+    def select(self, query: dict[str, list[str]]) -> list[dict]:
+        def match(ex: dict) -> bool:
+            if "key" in query and ex["key"] != query["key"][0]:
+                return False
+            if "method" in query and ex["method"] != query["method"][0]:
+                return False
+            if "path" in query:
+                want = query["path"][0]
+                have = ex["path"] if "?" in want else ex["path"].split("?", 1)[0]
+                if have != want:
+                    return False
+            return True
+
+        with self.lock:
+            return [dict(ex) for ex in self.executions if match(ex)]
+
+    def reset(self) -> None:
+        with self.lock:
+            self.executions.clear()
+
+
+STATE = State()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "counting-upstream/1"
+    quiet = False
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def log_message(self, fmt: str, *args) -> None:  # noqa: D401 - stdlib signature
+        if not self.quiet:
+            sys.stdout.write("%s %s\n" % (self.log_date_time_string(), fmt % args))
+            sys.stdout.flush()
+
+    def read_body(self) -> bytes:
+        te = (self.headers.get("transfer-encoding") or "").lower()
+        if "chunked" in te:
+            chunks = []
+            while True:
+                line = self.rfile.readline()
+                size = int(line.split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:
+                    # trailers until the empty line
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    break
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+            return b"".join(chunks)
+        length = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def reply(self, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
+        self.send_response(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        if status not in (204, 304) and not (100 <= status < 200):
+            self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        if body and status not in (204, 304) and self.command != "HEAD":
+            self.wfile.write(body)
+        self.wfile.flush()
+
+    def reply_json(self, status: int, doc) -> None:
+        self.reply(status, json.dumps(doc).encode(), [("content-type", "application/json")])
+
+    # --- control endpoints ----------------------------------------------------------------
+
+    def control(self, body: bytes) -> None:
+        url = urlsplit(self.path)
+        query = parse_qs(url.query, keep_blank_values=True)
+        if url.path == "/__counts" and self.command == "GET":
+            sel = STATE.select(query)
+            doc: dict = {"count": len(sel)}
+            if not query:
+                doc["executions"] = sel
+            self.reply_json(200, doc)
+        elif url.path == "/__executions" and self.command == "GET":
+            self.reply_json(200, {"executions": STATE.select(query)})
+        elif url.path == "/__reset" and self.command == "POST":
+            STATE.reset()
+            self.reply_json(200, {"reset": True})
+        elif url.path == "/__health":
+            self.reply_json(200, {"ok": True})
+        else:
+            self.reply_json(404, {"error": "unknown control endpoint"})
+
+    # --- executions ---------------------------------------------------------------------
+
+    def handle_any(self) -> None:
+        body = self.read_body()
+        if self.path.startswith("/__"):
+            self.control(body)
+            return
+        key = self.headers.get("idempotency-key", "")
+        ex = STATE.record(self.command, self.path, key, body)
+
+        sleep_ms = int(self.headers.get("x-test-sleep-ms") or 0)
+        if sleep_ms > 0:
+            time.sleep(sleep_ms / 1000.0)
+
+        status = int(self.headers.get("x-test-status") or 201)
+        ctype = self.headers.get("x-test-content-type")
+        headers: list[tuple[str, str]] = [("location", f"/things/{ex['id']}"), ("x-upstream-id", ex["id"])]
+        if status in (204, 304):
+            if ctype:
+                headers.append(("content-type", ctype))
+            self.reply(status, b"", headers)
+            return
+        override = self.headers.get("x-test-body")
+        if override is not None:
+            out = override.encode("latin-1")
+        else:
+            doc = {
+                "id": ex["id"],
+                "status": "created" if status == 201 else "done",
+                "method": self.command,
+                "path": self.path,
+                "key": key,
+                "body_len": len(body),
+                "body_sha256": hashlib.sha256(body).hexdigest(),
+            }
+            if len(body) <= ECHO_LIMIT:
+                doc["body"] = body.decode("utf-8", "replace")
+            out = json.dumps(doc).encode()
+            want = int(self.headers.get("x-test-body-bytes") or 0)
+            if want:
+                doc["pad"] = ""
+                base = len(json.dumps(doc).encode())
+                doc["pad"] = "p" * max(0, want - base)
+                out = json.dumps(doc).encode()
+        headers.append(("content-type", ctype or "application/json"))
+        self.reply(status, out, headers)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = handle_any
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true", help="do not log each request")
+    args = ap.parse_args(argv)
+    Handler.quiet = args.quiet
+    srv = Server((args.host, args.port), Handler)
+    print(f"counting upstream listening on {args.host}:{srv.server_address[1]}", flush=True)
+    try:
+        srv.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
