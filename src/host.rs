@@ -201,6 +201,19 @@ fn flush_outbox(shared: &SharedRef) {
     }
 }
 
+fn fail_outbox(shared: &SharedRef) {
+    let calls = match shared.try_borrow_mut() {
+        Ok(mut s) => {
+            s.wake_pending = false;
+            std::mem::take(&mut s.outbox)
+        }
+        Err(_) => return,
+    };
+    for (stream, call) in calls {
+        settle(shared, stream, call.kind(), call.key(), Answered::fault(call.kind(), StoreFault::Dispatch));
+    }
+}
+
 fn on_store_answer(shared: &SharedRef, token: u32, answer: Answer<'_>) {
     let Some(pending) = shared.try_borrow_mut().ok().and_then(|mut s| s.callouts.remove(&token)) else {
         return;
@@ -328,14 +341,22 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, origin: Origi
                         s.wake_pending = true;
                         wake.then_some(s.queue)
                     }
-                    Err(_) => None,
+                    Err(_) => {
+                        // Unreachable by construction (no borrow is held while effects apply);
+                        // logged, because the request this belongs to would otherwise hang.
+                        log::error!("store call for key {} dropped: state busy", prefix(call.key()));
+                        None
+                    }
                 };
                 if origin != Origin::Stream {
                     // Already in a root callback: dispatch now, no need for a wake-up.
                     flush_outbox(shared);
                 } else if let Some(queue) = wake {
                     if let Err(s) = hostcalls::enqueue_shared_queue(queue, Some(b"1")) {
-                        log::warn!("cannot wake the root context: {s:?}");
+                        // Without a wake-up the calls would never leave: fail them now, so no
+                        // request stays paused (each one fails open or closed as configured).
+                        log::error!("cannot wake the root context: {s:?}");
+                        fail_outbox(shared);
                     }
                 }
             }
