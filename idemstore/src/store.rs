@@ -1,20 +1,24 @@
 //! The three operations as the HTTP layer sees them: a backend plus the `begin` long-poll.
 
 use std::pin::pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::backend::{Attempt, Backend, CommitOutcome, ReleaseOutcome, Result};
-use crate::waiters::Waiters;
+use crate::waiters::{RemoteWakeups, Waiters};
 
-/// First re-check delay for a lock held elsewhere; doubles up to [`MAX_RECHECK`]. Local
-/// commits and releases wake waiters at once; re-checks catch holders on other instances.
+/// First re-check delay for a held lock; doubles up to [`MAX_RECHECK`]. Commits and releases
+/// wake waiters at once (through this instance directly, through others by Redis pub/sub);
+/// re-checks are the fallback for wake-ups that cannot arrive (the subscription down).
 const MIN_RECHECK: Duration = Duration::from_millis(20);
-/// Bounds how late a waiter notices a holder on another instance finishing.
-const MAX_RECHECK: Duration = Duration::from_millis(200);
+/// Bounds how late a waiter notices a holder finishing when no wake-up reaches it.
+const MAX_RECHECK: Duration = Duration::from_millis(250);
 
 /// The answer to `begin` after any waiting.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -28,9 +32,14 @@ pub enum Begin {
 #[derive(Debug)]
 pub struct Store<B> {
     backend: B,
-    waiters: Waiters,
+    waiters: Arc<Waiters>,
     stopping: watch::Sender<bool>,
     recheck: (Duration, Duration),
+    /// `begin` calls parked on a held lock right now.
+    parked: AtomicUsize,
+    remote: watch::Receiver<RemoteWakeups>,
+    /// Forwards other instances' wake-ups to `waiters`; aborted with the store.
+    remote_task: Option<JoinHandle<()>>,
 }
 
 impl<B: Backend> Store<B> {
@@ -40,12 +49,21 @@ impl<B: Backend> Store<B> {
 
     /// `min`..`max` bound the re-check delay while a lock is held elsewhere (tests widen
     /// them to tell a wake-up from a re-check).
+    ///
+    /// Starts listening for other instances' wake-ups when the backend has them (Redis), so
+    /// call it within a tokio runtime.
     pub fn with_recheck(backend: B, min: Duration, max: Duration) -> Self {
+        let waiters = Arc::new(Waiters::default());
+        let (status, remote) = watch::channel(RemoteWakeups::default());
+        let remote_task = backend.spawn_remote_wakeups(Arc::downgrade(&waiters), status);
         Self {
             backend,
-            waiters: Waiters::default(),
+            waiters,
             stopping: watch::Sender::new(false),
             recheck: (min, max.max(min)),
+            parked: AtomicUsize::new(0),
+            remote,
+            remote_task,
         }
     }
 
@@ -55,6 +73,16 @@ impl<B: Backend> Store<B> {
 
     pub fn waiters(&self) -> &Waiters {
         &self.waiters
+    }
+
+    /// Whether wake-ups from other idemstore instances reach this one (never, in memory).
+    pub fn remote_wakeups(&self) -> watch::Receiver<RemoteWakeups> {
+        self.remote.clone()
+    }
+
+    /// `begin` calls waiting on a held lock right now, between two attempts.
+    pub fn parked(&self) -> usize {
+        self.parked.load(Ordering::Relaxed)
     }
 
     /// Ends every pending wait with `busy`, so a shutdown does not sit out long-polls.
@@ -98,6 +126,7 @@ impl<B: Backend> Store<B> {
                 nap = nap.min(ttl);
             }
             let nap = nap.max(Duration::from_millis(1));
+            let _parked = Parked::new(&self.parked);
             tokio::select! {
                 () = woken => {}
                 () = tokio::time::sleep(nap) => recheck = (recheck * 2).min(max_recheck),
@@ -129,6 +158,30 @@ impl<B: Backend> Store<B> {
 
     pub async fn health(&self) -> Result<()> {
         self.backend.health().await
+    }
+}
+
+impl<B> Drop for Store<B> {
+    fn drop(&mut self) {
+        if let Some(task) = &self.remote_task {
+            task.abort();
+        }
+    }
+}
+
+/// Counts a `begin` as parked while alive, even if the call is dropped mid-wait.
+struct Parked<'a>(&'a AtomicUsize);
+
+impl<'a> Parked<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for Parked<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -1,7 +1,9 @@
-//! Per-key wake-ups for `begin` calls waiting on a lock held through this instance.
+//! Per-key wake-ups for `begin` calls waiting on a held lock.
 //!
-//! Only commits and releases that pass through this process can ring; holders on other
-//! instances are caught by the bounded re-check in [`crate::store::Store::begin`].
+//! Commits and releases through this process ring at once. On Redis, those through other
+//! instances ring too, by pub/sub ([`crate::backend::pubsub`]); whatever is missed (the
+//! subscription down, the in-memory backend shared by clones in tests) is caught by the
+//! bounded re-check in [`crate::store::Store::begin`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -34,6 +36,13 @@ impl Waiters {
         }
     }
 
+    /// Wakes every subscriber of every key: after wake-ups may have been missed.
+    pub fn wake_all(&self) {
+        for notify in self.lock().values() {
+            notify.notify_waiters();
+        }
+    }
+
     /// Number of keys with at least one subscriber.
     pub fn len(&self) -> usize {
         self.lock().len()
@@ -48,6 +57,15 @@ impl Waiters {
         // a single insert or remove.
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// Whether wake-ups published by other idemstore instances reach this one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemoteWakeups {
+    /// Subscribed right now.
+    pub listening: bool,
+    /// Subscriptions made so far (a reconnect adds one).
+    pub subscriptions: u64,
 }
 
 impl Subscription<'_> {
@@ -87,5 +105,15 @@ mod tests {
         assert_eq!(waiters.len(), 1);
         drop(b);
         assert!(waiters.is_empty());
+    }
+
+    #[tokio::test]
+    async fn wake_all_reaches_every_key() {
+        let waiters = Waiters::default();
+        let a = waiters.subscribe("a");
+        let b = waiters.subscribe("b");
+        let (na, nb) = (a.notify().notified(), b.notify().notified());
+        waiters.wake_all();
+        tokio::time::timeout(Duration::from_millis(100), async { tokio::join!(na, nb) }).await.unwrap();
     }
 }

@@ -7,9 +7,12 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use futures_util::StreamExt;
+use idemstore::backend::pubsub::CHANNEL;
 use idemstore::backend::redis::RedisBackend;
-use idemstore::backend::Backend;
-use idemstore::store::Store;
+use idemstore::backend::{Backend, ReleaseOutcome};
+use idemstore::store::{Begin, Store};
 
 /// A private `redis-server`, killed by PID when dropped.
 struct RedisServer {
@@ -47,6 +50,29 @@ impl RedisServer {
     fn store(&self) -> Store<RedisBackend<redis::aio::ConnectionManager>> {
         Store::new(self.backend())
     }
+
+    /// Two idemstore instances on this Redis (separate connections and subscriptions), with
+    /// 60 s re-checks, once both hear each other's wake-ups.
+    async fn two_instances(&self) -> (Arc<Store<StandaloneBackend>>, Arc<Store<StandaloneBackend>>) {
+        let (one, two) = (common::no_recheck(self.backend()), common::no_recheck(self.backend()));
+        common::listening(&one, 1).await;
+        common::listening(&two, 1).await;
+        (one, two)
+    }
+
+    async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        let client = redis::Client::open(self.url.as_str()).unwrap();
+        client.get_multiplexed_async_connection().await.unwrap()
+    }
+}
+
+type StandaloneBackend = RedisBackend<redis::aio::ConnectionManager>;
+
+/// Pub/sub clients connected to the server.
+async fn pubsub_clients(conn: &mut redis::aio::MultiplexedConnection) -> usize {
+    let list: String =
+        redis::cmd("CLIENT").arg("LIST").arg("TYPE").arg("pubsub").query_async(conn).await.unwrap();
+    list.lines().filter(|l| !l.trim().is_empty()).count()
 }
 
 fn free_port() -> u16 {
@@ -186,6 +212,8 @@ async fn redis_outage_fails_fast_and_recovers() {
     }
     let _redis = RedisServer::start_on(port).await;
     common::begin_locks_then_replays(&store).await;
+    // The wake-up subscription came back too.
+    common::listening(&store, 2).await;
 }
 
 /// Started before Redis: the lazy connection comes up once Redis does.
@@ -213,4 +241,117 @@ async fn frozen_redis_times_out() {
     assert!(Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
     assert!(attempt.is_err());
     assert!(took >= timeout && took < timeout + Duration::from_millis(700), "took {took:?}");
+}
+
+/// A commit or release through one instance wakes a duplicate waiting on the other within
+/// milliseconds; with 60 s re-checks only the pub/sub wake-up can explain it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wakes_cross_instances() {
+    let redis = RedisServer::start().await;
+    let (one, two) = redis.two_instances().await;
+    common::wakes_cross_instances(&one, &two).await;
+}
+
+/// The numbers for the closing note: `cargo test -p idemstore --test redis cross_instance_wake_latency -- --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_instance_wake_latency() {
+    let redis = RedisServer::start().await;
+    let (one, two) = redis.two_instances().await;
+    common::measure_cross_instance_wakes("standalone", &one, &two, 200).await;
+}
+
+/// The server drops the pub/sub connections: both instances resubscribe and cross-instance
+/// wake-ups are fast again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscription_reconnects_after_client_kill() {
+    let redis = RedisServer::start().await;
+    let (one, two) = redis.two_instances().await;
+    let mut conn = redis.conn().await;
+    let killed: i64 =
+        redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("pubsub").query_async(&mut conn).await.unwrap();
+    assert_eq!(killed, 2);
+    common::listening(&one, 2).await;
+    common::listening(&two, 2).await;
+    common::wakes_cross_instances(&one, &two).await;
+}
+
+/// A commit lands while the waiter's instance cannot subscribe (the ACL forbids the channel,
+/// which also disconnects the subscribers and makes the script's PUBLISH fail): the commit
+/// still succeeds, and the waiter gets the record as soon as its instance is subscribed
+/// again, not at its 60 s re-check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wakeups_missed_while_unsubscribed_are_caught_up() {
+    let redis = RedisServer::start().await;
+    let (one, two) = redis.two_instances().await;
+    let mut conn = redis.conn().await;
+    let key = common::key();
+    let token = common::lock(&one, &key).await;
+    let waiter = tokio::spawn({
+        let (two, key) = (Arc::clone(&two), key.clone());
+        async move { two.begin(&key, &common::hash('a'), common::TTL, common::WAIT).await.unwrap() }
+    });
+    common::parked(&two, 0).await;
+    let _: () =
+        redis::cmd("ACL").arg(&["SETUSER", "default", "resetchannels"]).query_async(&mut conn).await.unwrap();
+    let mut remote = two.remote_wakeups();
+    tokio::time::timeout(Duration::from_secs(5), remote.wait_for(|s| !s.listening)).await.unwrap().unwrap();
+    let record = Bytes::from_static(b"while deaf");
+    one.commit(&key, &token, &common::hash('a'), record.clone(), common::DAY).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished(), "woken while nobody could hear the commit");
+    let _: () =
+        redis::cmd("ACL").arg(&["SETUSER", "default", "allchannels"]).query_async(&mut conn).await.unwrap();
+    let restored = Instant::now();
+    let begun = tokio::time::timeout(Duration::from_secs(4), waiter).await.unwrap().unwrap();
+    assert_eq!(begun, Begin::Record(record));
+    eprintln!("caught up {:?} after the ACL allowed the channel again", restored.elapsed());
+    common::listening(&two, 2).await;
+}
+
+/// The scripts publish the store key when they drop a lock or store a record, and only then.
+#[tokio::test]
+async fn scripts_publish_the_key_on_change() {
+    let redis = RedisServer::start().await;
+    let store = redis.store();
+    let client = redis::Client::open(redis.url.as_str()).unwrap();
+    let mut pubsub = client.get_async_pubsub().await.unwrap();
+    pubsub.subscribe(CHANNEL).await.unwrap();
+    let (committed, released, late) = (common::key(), common::key(), common::key());
+    let token = common::lock(&store, &committed).await;
+    store.commit(&committed, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+    let token = common::lock(&store, &released).await;
+    assert_eq!(store.release(&released, "not-the-owner").await.unwrap(), ReleaseOutcome::NotOwner);
+    assert_eq!(store.release(&released, &token).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(store.release(&released, &token).await.unwrap(), ReleaseOutcome::NotOwner);
+    // A record stored without a lock (late) wakes; a second commit that changes nothing not.
+    store.commit(&late, "no-lock", &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+    store.commit(&late, "no-lock", &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+    let mut conn = redis.conn().await;
+    let _: i64 = redis::cmd("PUBLISH").arg(CHANNEL).arg("end").query_async(&mut conn).await.unwrap();
+    let mut heard = Vec::new();
+    let mut messages = pubsub.on_message();
+    while let Some(message) = tokio::time::timeout(Duration::from_secs(5), messages.next()).await.unwrap() {
+        let payload: String = message.get_payload().unwrap();
+        if payload == "end" {
+            break;
+        }
+        heard.push(payload);
+    }
+    assert_eq!(heard, [committed, released, late]);
+}
+
+/// A dropped store closes its subscription.
+#[tokio::test]
+async fn dropped_store_unsubscribes() {
+    let redis = RedisServer::start().await;
+    let store = redis.store();
+    common::listening(&store, 1).await;
+    let mut conn = redis.conn().await;
+    assert_eq!(pubsub_clients(&mut conn).await, 1);
+    drop(store);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pubsub_clients(&mut conn).await > 0 {
+        assert!(Instant::now() < deadline, "the subscription outlived its store");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -6,6 +6,9 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use futures_util::StreamExt;
+use idemstore::backend::pubsub::CHANNEL;
 use idemstore::backend::redis::RedisBackend;
 use idemstore::backend::Backend;
 use idemstore::store::Store;
@@ -82,8 +85,12 @@ impl Cluster {
         cluster
     }
 
+    fn backend(&self) -> RedisBackend<ClusterConnection> {
+        RedisBackend::cluster(&self.urls, Duration::from_secs(2)).unwrap()
+    }
+
     fn store(&self) -> Store<RedisBackend<ClusterConnection>> {
-        Store::new(RedisBackend::cluster(&self.urls, Duration::from_secs(2)).unwrap())
+        Store::new(self.backend())
     }
 }
 
@@ -152,4 +159,38 @@ async fn dead_master_fails_only_its_slots_and_fast() {
         }
     }
     assert!(ok > 0 && failed > 0, "ok {ok}, failed {failed}");
+}
+
+/// Wake-ups cross instances on a cluster too. A script's classic `PUBLISH` runs on the key's
+/// master and is broadcast over the cluster bus: a subscriber on each of the three nodes hears
+/// every key, so at least two of them hear it from another node than the one that ran the
+/// script. Then two instances (each subscribed to one random seed) wake each other fast.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wakes_cross_instances_on_three_masters() {
+    let cluster = Cluster::start().await;
+    let mut subscribers = Vec::new();
+    for url in &cluster.urls {
+        let mut pubsub = redis::Client::open(url.as_str()).unwrap().get_async_pubsub().await.unwrap();
+        pubsub.subscribe(CHANNEL).await.unwrap();
+        subscribers.push(pubsub.into_on_message());
+    }
+    let store = cluster.store();
+    for _ in 0..6 {
+        let key = common::key();
+        let token = common::lock(&store, &key).await;
+        store.commit(&key, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+        for (node, messages) in subscribers.iter_mut().enumerate() {
+            let message = tokio::time::timeout(Duration::from_secs(5), messages.next())
+                .await
+                .unwrap_or_else(|_| panic!("node {node} never heard the wake-up"))
+                .unwrap();
+            assert_eq!(message.get_payload::<String>().unwrap(), key, "node {node}");
+        }
+    }
+
+    let (one, two) = (common::no_recheck(cluster.backend()), common::no_recheck(cluster.backend()));
+    common::listening(&one, 1).await;
+    common::listening(&two, 1).await;
+    common::wakes_cross_instances(&one, &two).await;
+    common::measure_cross_instance_wakes("cluster", &one, &two, 200).await;
 }

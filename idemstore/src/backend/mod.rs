@@ -2,12 +2,18 @@
 //! caller's business ([`crate::store::Store`]), so every backend gets the same long-poll.
 
 use std::future::Future;
+use std::sync::Weak;
 use std::time::Duration;
 
 use bytes::Bytes;
 pub use idem_protocol::{CommitOutcome, ReleaseOutcome};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::waiters::{RemoteWakeups, Waiters};
 
 pub mod memory;
+pub mod pubsub;
 pub mod redis;
 
 /// What one atomic `begin` attempt found.
@@ -71,4 +77,16 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Whether the backend answers at all.
     fn health(&self) -> impl Future<Output = Result<()>> + Send;
+
+    /// Starts forwarding to `waiters` the wake-ups that other idemstore instances sharing this
+    /// backend publish (a lock dropped, a record stored), reporting on `status` whether they
+    /// are heard. The task ends when aborted or when `waiters` is gone. A backend that serves
+    /// a single instance has nothing to forward and starts nothing.
+    fn spawn_remote_wakeups(
+        &self,
+        _waiters: Weak<Waiters>,
+        _status: watch::Sender<RemoteWakeups>,
+    ) -> Option<JoinHandle<()>> {
+        None
+    }
 }

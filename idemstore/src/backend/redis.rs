@@ -1,7 +1,9 @@
 //! Redis backend, standalone or Cluster: the same three Lua scripts either way. A key's
 //! record (`idem:{<key>}:r`) and lock (`idem:{<key>}:l`) share a hash tag, so each script
-//! touches a single Cluster slot.
+//! touches a single Cluster slot. Commits and releases also publish the key for waiters on
+//! other idemstore instances ([`super::pubsub`]).
 
+use std::sync::Weak;
 use std::time::Duration;
 
 use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -9,8 +11,11 @@ use ::redis::cluster::{ClusterClient, ClusterConfig};
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{Client, RedisError, RedisResult, Script, Value};
 use bytes::Bytes;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
-use super::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result};
+use super::{pubsub, Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result};
+use crate::waiters::{RemoteWakeups, Waiters};
 
 #[derive(Clone)]
 pub struct RedisBackend<C> {
@@ -18,6 +23,9 @@ pub struct RedisBackend<C> {
     scripts: Scripts,
     /// Bounds every operation as a whole, whatever the client's retries do.
     timeout: Duration,
+    /// Where to subscribe to wake-ups: the server, or the cluster's seed nodes (any one node
+    /// hears every slot's wake-ups).
+    wake_nodes: Vec<Client>,
 }
 
 #[derive(Clone)]
@@ -57,8 +65,8 @@ impl RedisBackend<ConnectionManager> {
             .set_number_of_retries(1)
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(100));
-        let conn = ConnectionManager::new_lazy_with_config(client, config).map_err(unavailable)?;
-        Ok(Self { conn, scripts: Scripts::new(), timeout })
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(unavailable)?;
+        Ok(Self { conn, scripts: Scripts::new(), timeout, wake_nodes: vec![client] })
     }
 }
 
@@ -79,7 +87,12 @@ impl RedisBackend<ClusterConnection> {
         // `with_config` replaces the builder's response timeout, so it is given again.
         let config = ClusterConfig::new().set_connection_timeout(timeout).set_response_timeout(timeout);
         let conn = client.get_pending_async_connection_with_config(config);
-        Ok(Self { conn, scripts: Scripts::new(), timeout })
+        let wake_nodes = urls
+            .iter()
+            .map(|url| Client::open(url.as_str()))
+            .collect::<RedisResult<_>>()
+            .map_err(unavailable)?;
+        Ok(Self { conn, scripts: Scripts::new(), timeout, wake_nodes })
     }
 }
 
@@ -158,14 +171,14 @@ where
     ) -> Result<CommitOutcome> {
         let mut script = self.scripts.commit.key(record_key(key));
         script.key(lock_key(key)).arg(token).arg(body_hash).arg(millis(retention));
-        script.arg(record.as_ref());
+        script.arg(record.as_ref()).arg(pubsub::CHANNEL).arg(key);
         let reply: Vec<u8> = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         CommitOutcome::parse(&reply).ok_or_else(|| garbage("commit"))
     }
 
     async fn release(&self, key: &str, token: &str) -> Result<ReleaseOutcome> {
         let mut script = self.scripts.release.key(lock_key(key));
-        script.arg(token);
+        script.arg(token).arg(pubsub::CHANNEL).arg(key);
         let deleted: i64 = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         Ok(if deleted == 1 { ReleaseOutcome::Released } else { ReleaseOutcome::NotOwner })
     }
@@ -174,6 +187,14 @@ where
         let ping = ::redis::cmd("PING");
         let _: String = self.bounded(ping.query_async(&mut self.conn.clone())).await?;
         Ok(())
+    }
+
+    fn spawn_remote_wakeups(
+        &self,
+        waiters: Weak<Waiters>,
+        status: watch::Sender<RemoteWakeups>,
+    ) -> Option<JoinHandle<()>> {
+        pubsub::spawn(self.wake_nodes.clone(), self.timeout, waiters, status)
     }
 }
 

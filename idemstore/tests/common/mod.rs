@@ -174,8 +174,9 @@ pub async fn binary_record<B: Backend>(store: &Store<B>) {
     assert_eq!(store.begin(&key, &hash('a'), TTL, WAIT).await.unwrap(), Begin::Record(record));
 }
 
-/// Two stores over one shared backend stand for two idemstore instances: no wake-up
-/// crosses between them, the bounded re-check finds the commit.
+/// Two stores over one shared backend stand for two idemstore instances. In memory no
+/// wake-up crosses between them and the bounded re-check finds the commit; on Redis the
+/// pub/sub wake-up does (see [`commit_wakes_other_instance`] for the tight bound).
 pub async fn waiter_on_other_instance<B: Backend>(one: Store<B>, two: Store<B>) {
     let (one, two) = (Arc::new(one), Arc::new(two));
     let key = key();
@@ -210,4 +211,152 @@ pub async fn stop_waiting_answers_busy<B: Backend>(store: Arc<Store<B>>) {
     store.stop_waiting();
     assert_eq!(waiter.await.unwrap(), Begin::Busy);
     assert!(started.elapsed() < Duration::from_millis(500));
+}
+
+/// A store whose re-checks never come within a test (60 s), so only a wake-up can end a wait
+/// early.
+pub fn no_recheck<B: Backend>(backend: B) -> Arc<Store<B>> {
+    Arc::new(Store::with_recheck(backend, Duration::from_secs(60), Duration::from_secs(60)))
+}
+
+/// Waits until `store` hears other instances' wake-ups, through at least `subscriptions`
+/// subscriptions so far (1: the first; 2: one reconnect).
+pub async fn listening<B: Backend>(store: &Store<B>, subscriptions: u64) {
+    let mut remote = store.remote_wakeups();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        remote.wait_for(|s| s.listening && s.subscriptions >= subscriptions),
+    )
+    .await
+    .expect("wake-up subscription not up in time")
+    .unwrap();
+}
+
+/// Waits until `store` has more than `before` parked `begin` calls: the waiter made its
+/// attempt, saw the lock held, and sleeps.
+pub async fn parked<B: Backend>(store: &Store<B>, before: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.parked() <= before {
+        assert!(Instant::now() < deadline, "the waiter never parked");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Delays of one cross-instance wake-up: from the holder's commit call starting, and from it
+/// returning, to the waiter's answer.
+#[derive(Debug, Clone, Copy)]
+pub struct Wake {
+    pub from_call: Duration,
+    pub from_reply: Duration,
+}
+
+/// `one` holds the lock, a duplicate waits on `two`, `one` commits: the waiter gets the
+/// record. Returns how fast.
+pub async fn commit_wakes_other_instance<B: Backend>(one: &Arc<Store<B>>, two: &Arc<Store<B>>) -> Wake {
+    let key = key();
+    let token = lock(one, &key).await;
+    let before = two.parked();
+    let waiter = tokio::spawn({
+        let (two, key) = (Arc::clone(two), key.clone());
+        async move {
+            let begun = two.begin(&key, &hash('a'), TTL, WAIT).await.unwrap();
+            (begun, Instant::now())
+        }
+    });
+    parked(two, before).await;
+    let record = Bytes::from(format!("committed elsewhere {key}"));
+    let called = Instant::now();
+    one.commit(&key, &token, &hash('a'), record.clone(), DAY).await.unwrap();
+    let replied = Instant::now();
+    let (begun, answered) = waiter.await.unwrap();
+    assert_eq!(begun, Begin::Record(record));
+    Wake {
+        from_call: answered.saturating_duration_since(called),
+        from_reply: answered.saturating_duration_since(replied),
+    }
+}
+
+/// Same with a release: the waiter on `two` takes the lock. Returns the delay from the
+/// release call.
+pub async fn release_wakes_other_instance<B: Backend>(one: &Arc<Store<B>>, two: &Arc<Store<B>>) -> Duration {
+    let key = key();
+    let token = lock(one, &key).await;
+    let before = two.parked();
+    let waiter = tokio::spawn({
+        let (two, key) = (Arc::clone(two), key.clone());
+        async move {
+            let begun = two.begin(&key, &hash('a'), TTL, WAIT).await.unwrap();
+            (begun, Instant::now())
+        }
+    });
+    parked(two, before).await;
+    let called = Instant::now();
+    assert_eq!(one.release(&key, &token).await.unwrap(), ReleaseOutcome::Released);
+    let (begun, answered) = waiter.await.unwrap();
+    let Begin::Locked { token: second } = begun else { panic!("expected locked, got {begun:?}") };
+    assert_ne!(second, token);
+    answered.saturating_duration_since(called)
+}
+
+/// The bound the cross-instance tests hold wake-ups to.
+pub const FAST: Duration = Duration::from_millis(50);
+
+/// Both ways across two instances, each within [`FAST`].
+pub async fn wakes_cross_instances<B: Backend>(one: &Arc<Store<B>>, two: &Arc<Store<B>>) {
+    for (a, b) in [(one, two), (two, one)] {
+        let wake = commit_wakes_other_instance(a, b).await;
+        assert!(wake.from_call < FAST, "commit woke the other instance after {wake:?}");
+        let released = release_wakes_other_instance(a, b).await;
+        assert!(released < FAST, "release woke the other instance after {released:?}");
+    }
+}
+
+/// `n` commit-to-wake samples across two instances, alternating directions; prints p50/p99.
+/// Holds the median to [`FAST`] and every sample to 1 s, far below the 60 s re-check (the
+/// tail is left loose: other builds share this machine's two cores).
+pub async fn measure_cross_instance_wakes<B: Backend>(
+    label: &str,
+    one: &Arc<Store<B>>,
+    two: &Arc<Store<B>>,
+    n: usize,
+) {
+    let mut from_call = Vec::with_capacity(n);
+    let mut from_reply = Vec::with_capacity(n);
+    for i in 0..n {
+        let wake = if i % 2 == 0 {
+            commit_wakes_other_instance(one, two).await
+        } else {
+            commit_wakes_other_instance(two, one).await
+        };
+        from_call.push(wake.from_call);
+        from_reply.push(wake.from_reply);
+    }
+    let call = Percentiles::of(&mut from_call);
+    let reply = Percentiles::of(&mut from_reply);
+    eprintln!("{label}: cross-instance commit-to-wake over {n} samples, from the commit call: {call}");
+    eprintln!("{label}: cross-instance commit-to-wake over {n} samples, from the commit reply: {reply}");
+    assert!(call.p50 < FAST, "{label}: {call}");
+    assert!(call.max < Duration::from_secs(1), "{label}: {call}");
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Percentiles {
+    pub p50: Duration,
+    pub p99: Duration,
+    pub max: Duration,
+}
+
+impl Percentiles {
+    pub fn of(samples: &mut [Duration]) -> Self {
+        assert!(!samples.is_empty());
+        samples.sort();
+        let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+        Self { p50: at(0.5), p99: at(0.99), max: at(1.0) }
+    }
+}
+
+impl std::fmt::Display for Percentiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "p50 {:.2?}, p99 {:.2?}, max {:.2?}", self.p50, self.p99, self.max)
+    }
 }
