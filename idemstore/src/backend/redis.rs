@@ -9,7 +9,8 @@ use std::time::Duration;
 use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::{ClusterClient, ClusterConfig};
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{Client, RedisError, RedisResult, Script, Value};
+use ::redis::io::tcp::TcpSettings;
+use ::redis::{Client, ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult, Script, Value};
 use bytes::Bytes;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -55,7 +56,7 @@ impl RedisBackend<ConnectionManager> {
     /// Connects lazily, so the service starts (and `/healthz` says 503) while Redis is down;
     /// the manager reconnects after I/O errors. `timeout` bounds connecting and each reply.
     pub fn standalone(url: &str, timeout: Duration) -> Result<Self> {
-        let client = Client::open(url).map_err(unavailable)?;
+        let client = Client::open(with_nodelay(url)?).map_err(unavailable)?;
         // Requests queue behind a reconnect, so its retries must not outlast the filter's
         // callout timeout: one quick retry, then the request fails (503) and the next one
         // tries again.
@@ -76,7 +77,8 @@ impl RedisBackend<ClusterConnection> {
         // The default retries (16, backing off to minutes) would hold a request for a slot
         // whose master is down far beyond the filter's timeout; a few quick ones still
         // follow MOVED/ASK redirections during resharding.
-        let client = ClusterClient::builder(urls.iter().map(String::as_str))
+        let seeds = urls.iter().map(|u| with_nodelay(u)).collect::<Result<Vec<_>>>()?;
+        let client = ClusterClient::builder(seeds)
             .connection_timeout(timeout)
             .response_timeout(timeout)
             .retries(3)
@@ -94,6 +96,12 @@ impl RedisBackend<ClusterConnection> {
             .map_err(unavailable)?;
         Ok(Self { conn, scripts: Scripts::new(), timeout, wake_nodes })
     }
+}
+
+/// Records are sent in one write and answered at once: Nagle's algorithm would only add delay.
+fn with_nodelay(url: &str) -> Result<ConnectionInfo> {
+    let info = url.into_connection_info().map_err(unavailable)?;
+    Ok(info.set_tcp_settings(TcpSettings::default().set_nodelay(true)))
 }
 
 fn record_key(key: &str) -> String {
