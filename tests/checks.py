@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 
 from harness import Response
 
 REPLAY = "x-idempotent-replay"
+
+# A wasm panic or trap in an Envoy log line.
+PANIC = re.compile(r"panicked at|Uncaught RuntimeError|wasm trap|Function: proxy_on_\w+ failed|VM is in a failed state",
+                   re.IGNORECASE)
 
 
 def assert_problem(resp: Response, status: int, raw_key: str | bytes | None = None) -> dict:

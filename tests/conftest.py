@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import harness as h
+from replicas import ReplicaSets
 
 # Listener name -> plugin configuration (store_cluster added). Each listener has the routes
 # `orders` (/orders), `payments` (/payments) and an unnamed one (/).
@@ -132,12 +133,7 @@ class Stack:
         return self.envoy.counter(name)
 
     def wait_counter(self, name: str, at_least: int, timeout: float = 5.0) -> int:
-        deadline = time.monotonic() + timeout
-        value = self.counter(name)
-        while value < at_least and time.monotonic() < deadline:
-            time.sleep(0.02)
-            value = self.counter(name)
-        return value
+        return self.envoy.wait_counter(name, at_least, timeout)
 
 
 def start_backend(run_dir: Path, backend: str) -> tuple[h.Proc, int, h.Proc | None]:
@@ -184,6 +180,39 @@ def stack(request, run_dir, artifacts, upstream) -> Stack:
     store.stop()
     if redis is not None:
         redis.stop()
+
+
+# Lines tests want shown at the end of the run (measurements), also written to the run dir.
+_NOTES: list[str] = []
+
+
+@pytest.fixture
+def note(run_dir):
+    """note(line): print `line` in pytest's terminal summary and append it to <run>/notes.txt."""
+    def add(line: str) -> None:
+        _NOTES.append(line)
+        with open(run_dir / "notes.txt", "a") as f:
+            f.write(line + "\n")
+    return add
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _NOTES:
+        terminalreporter.section("measurements")
+        for line in _NOTES:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def replica_set(run_dir, artifacts, upstream):
+    """Factory of multi-replica stacks (replicas.start_replica_set arguments, upstream and wasm
+    given): `rs = replica_set("name", envoys=3, stores=2, backend="redis", plugin={...})`.
+    Everything it started is stopped after the test, which fails on a wasm panic in any log."""
+    sets = ReplicaSets(run_dir, upstream.port, artifacts["wasm"])
+    yield sets
+    panics = sets.close()
+    if panics:
+        pytest.fail("wasm panic or trap in a replica's Envoy log:\n" + "\n".join(panics[:20]), pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)

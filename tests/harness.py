@@ -273,13 +273,25 @@ def start_redis(run_dir: Path) -> tuple[Proc, int]:
     return proc, port
 
 
-def start_idemstore(run_dir: Path, redis_url: str | None = None, port: int | None = None) -> tuple[Proc, int]:
+def spawn_idemstore(run_dir: Path, redis_url: str | None = None, port: int | None = None,
+                    name: str = "idemstore") -> tuple[Proc, int]:
+    """Start idemstore without waiting for it (see `await_idemstore`)."""
     port = port or free_port()
     argv = [idemstore_bin(), "--listen", f"{LOOPBACK}:{port}"]
     if redis_url:
         argv += ["--redis", redis_url]
-    proc = start("idemstore", argv, run_dir, env={"RUST_LOG": os.environ.get("IDEMSTORE_LOG", "info")})
-    await_ready(proc, lambda: http_get_status(port, "/healthz")[0] == 200, "idemstore /healthz")
+    proc = start(name, argv, run_dir, env={"RUST_LOG": os.environ.get("IDEMSTORE_LOG", "info")})
+    return proc, port
+
+
+def await_idemstore(proc: Proc, port: int, timeout: float = 20.0) -> None:
+    await_ready(proc, lambda: http_get_status(port, "/healthz")[0] == 200, f"{proc.name} /healthz", timeout)
+
+
+def start_idemstore(run_dir: Path, redis_url: str | None = None, port: int | None = None,
+                    name: str = "idemstore") -> tuple[Proc, int]:
+    proc, port = spawn_idemstore(run_dir, redis_url, port, name)
+    await_idemstore(proc, port)
     return proc, port
 
 
@@ -354,15 +366,20 @@ def listener(name: str, port: int, http_filters: list[dict], routes: list[dict] 
     }
 
 
-def static_cluster(name: str, port: int, http2: bool = False, connect_timeout: str = "1s") -> dict:
+def static_cluster(name: str, port: int | list[int], http2: bool = False, connect_timeout: str = "1s",
+                   lb_policy: str = "ROUND_ROBIN") -> dict:
+    """A STATIC cluster on loopback: one endpoint, or one per port of a list (load-balanced)."""
+    ports = port if isinstance(port, (list, tuple)) else [port]
     c = {
         "name": name,
         "type": "STATIC",
         "connect_timeout": connect_timeout,
+        "lb_policy": lb_policy,
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                "socket_address": {"address": LOOPBACK, "port_value": port}}}}]}],
+            "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": LOOPBACK, "port_value": p}}}}
+                for p in ports]}],
         },
     }
     if http2:
@@ -375,7 +392,9 @@ def static_cluster(name: str, port: int, http2: bool = False, connect_timeout: s
     return c
 
 
-def envoy_config(admin_port: int, listeners: list[dict], upstream_port: int, idemstore_port: int) -> dict:
+def envoy_config(admin_port: int, listeners: list[dict], upstream_port: int,
+                 idemstore_port: int | list[int]) -> dict:
+    """Clusters `upstream` (HTTP/1.1) and `idemstore` (h2c; every port of a list, round-robin)."""
     return {
         "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": admin_port}}},
         "static_resources": {
@@ -421,6 +440,15 @@ class Envoy:
     def counters(self) -> dict[str, int]:
         return {k.rsplit(".", 1)[1]: v for k, v in self.stats(r"^wasmcustom\.idempotency\.").items()}
 
+    def wait_counter(self, name: str, at_least: int, timeout: float = 5.0) -> int:
+        """Polls `counter(name)` until it reaches `at_least` or `timeout` passes; returns the last value."""
+        deadline = time.monotonic() + timeout
+        value = self.counter(name)
+        while value < at_least and time.monotonic() < deadline:
+            time.sleep(0.02)
+            value = self.counter(name)
+        return value
+
     def log_text(self) -> str:
         return self.proc.log_text()
 
@@ -447,20 +475,43 @@ def launch_envoy(run_dir: Path, name: str, config: dict, log_level: str = "info"
     return start(name, argv, run_dir)
 
 
-def start_envoy(run_dir: Path, name: str, listener_filters: dict[str, list[dict]], upstream_port: int,
-                idemstore_port: int, timeout: float = 30.0, log_level: str = "info") -> Envoy:
-    """Start an Envoy with one listener per entry (name -> http filters before the router)."""
+def spawn_envoy(run_dir: Path, name: str, listener_filters: dict[str, list[dict]], upstream_port: int,
+                idemstore_port: int | list[int], log_level: str = "info", concurrency: int = 2,
+                routes: list[dict] | None = None, config_hook=None) -> Envoy:
+    """Launch an Envoy with one listener per entry (name -> http filters before the router),
+    without waiting for it: several can start at once, then `await_envoy` each.
+    `config_hook(config)` may edit the rendered config in place before it is written."""
     admin_port = free_port()
     ports = {ln: free_port() for ln in listener_filters}
-    listeners = [listener(ln, ports[ln], filters) for ln, filters in listener_filters.items()]
+    listeners = [listener(ln, ports[ln], filters, routes) for ln, filters in listener_filters.items()]
     config = envoy_config(admin_port, listeners, upstream_port, idemstore_port)
-    proc = launch_envoy(run_dir, name, config, log_level=log_level)
-    envoy = Envoy(proc, admin_port, ports, Path(proc.argv[2]))
+    if config_hook is not None:
+        config_hook(config)
+    return spawn_envoy_config(run_dir, name, config, admin_port, ports, log_level, concurrency)
+
+
+def spawn_envoy_config(run_dir: Path, name: str, config: dict, admin_port: int, ports: dict[str, int],
+                       log_level: str = "info", concurrency: int = 2) -> Envoy:
+    """Launch an Envoy from a full config (its admin and listener ports given), not waiting."""
+    proc = launch_envoy(run_dir, name, config, log_level=log_level, concurrency=concurrency)
+    return Envoy(proc, admin_port, dict(ports), Path(proc.argv[2]))
+
+
+def await_envoy(envoy: Envoy, timeout: float = 30.0) -> Envoy:
+    """Until admin /ready says LIVE and every listener accepts; a failure stops the process."""
+    proc, admin_port = envoy.proc, envoy.admin_port
     await_ready(proc, lambda: http_get_status(admin_port, "/ready")[1].strip() == b"LIVE",
-                "envoy admin /ready LIVE", timeout=timeout)
-    for ln, port in ports.items():
-        await_ready(proc, lambda p=port: tcp_accepts(p), f"envoy listener {ln} on {port}", timeout=timeout)
+                f"{proc.name} admin /ready LIVE", timeout=timeout)
+    for ln, port in envoy.ports.items():
+        await_ready(proc, lambda p=port: tcp_accepts(p), f"{proc.name} listener {ln} on {port}", timeout=timeout)
     return envoy
+
+
+def start_envoy(run_dir: Path, name: str, listener_filters: dict[str, list[dict]], upstream_port: int,
+                idemstore_port: int | list[int], timeout: float = 30.0, log_level: str = "info") -> Envoy:
+    """Start an Envoy with one listener per entry (name -> http filters before the router)."""
+    envoy = spawn_envoy(run_dir, name, listener_filters, upstream_port, idemstore_port, log_level=log_level)
+    return await_envoy(envoy, timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,11 +621,13 @@ class Upstream:
             raise HarnessError(f"upstream {endpoint} answered {status}")
         return json.loads(body)
 
-    def count(self, key: str | None = None, path: str | None = None, method: str | None = None) -> int:
-        return self._get("/__counts", key=key, path=path, method=method)["count"]
+    def count(self, key: str | None = None, path: str | None = None, method: str | None = None,
+              key_prefix: str | None = None) -> int:
+        return self._get("/__counts", key=key, path=path, method=method, key_prefix=key_prefix)["count"]
 
-    def executions(self, key: str | None = None, path: str | None = None) -> list[dict]:
-        return self._get("/__executions", key=key, path=path)["executions"]
+    def executions(self, key: str | None = None, path: str | None = None,
+                   key_prefix: str | None = None) -> list[dict]:
+        return self._get("/__executions", key=key, path=path, key_prefix=key_prefix)["executions"]
 
     def reset(self) -> None:
         conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=5)

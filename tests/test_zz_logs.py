@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
-PANIC = re.compile(r"panicked at|Uncaught RuntimeError|wasm trap|Function: proxy_on_\w+ failed|VM is in a failed state",
-                   re.IGNORECASE)
+from checks import PANIC
 
 
 def test_no_wasm_panics_in_envoy_log(stack):

@@ -5,9 +5,10 @@ Every request to a path that does not start with ``/__`` is one *execution*: it 
 with its method, path (query string included), the value of its ``Idempotency-Key`` header
 (or ``""``) and the id minted for it. Tests read the record back:
 
-* ``GET /__counts?key=K&path=P&method=M`` -> ``{"count": n}`` for the executions matching
-  every given filter (``path`` matches the path without its query string unless the filter
-  itself has a ``?``); without filters -> ``{"count": total, "executions": [...]}``.
+* ``GET /__counts?key=K&path=P&method=M&key_prefix=X`` -> ``{"count": n}`` for the executions
+  matching every given filter (``path`` matches the path without its query string unless the
+  filter itself has a ``?``; ``key_prefix`` matches keys starting with it); without filters ->
+  ``{"count": total, "executions": [...]}``.
 * ``GET /__executions?key=K`` -> ``{"executions": [...]}`` (the same filters).
 * ``POST /__reset`` forgets everything.
 
@@ -62,6 +63,8 @@ class State:
     def select(self, query: dict[str, list[str]]) -> list[dict]:
         def match(ex: dict) -> bool:
             if "key" in query and ex["key"] != query["key"][0]:
+                return False
+            if "key_prefix" in query and not ex["key"].startswith(query["key_prefix"][0]):
                 return False
             if "method" in query and ex["method"] != query["method"][0]:
                 return False
