@@ -39,8 +39,8 @@ struct Shared {
     wake_pending: bool,
     metrics: Vec<u32>,
     streams: HashMap<u32, Entry>,
-    outbox: Vec<(u32, StoreCall)>,
-    callouts: HashMap<u32, Pending>,
+    outbox: Vec<Job>,
+    callouts: HashMap<u32, Job>,
 }
 
 struct Entry {
@@ -49,10 +49,12 @@ struct Entry {
     gone: bool,
 }
 
-struct Pending {
+/// A store call on behalf of a stream (which may be gone by the time it answers).
+struct Job {
     stream: u32,
-    kind: CallKind,
-    key: String,
+    call: StoreCall,
+    /// 0 for the first try; see [`StoreCall::after_fault`].
+    attempt: u32,
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
@@ -157,17 +159,17 @@ impl RootContext for Root {
 
 /// Dispatches every queued store call. Runs in a root callback, so the callouts belong to the root.
 fn flush_outbox(shared: &SharedRef) {
-    let (calls, cfg, root_id) = match shared.try_borrow_mut() {
+    let (jobs, cfg, root_id) = match shared.try_borrow_mut() {
         Ok(mut s) => {
             s.wake_pending = false;
             (std::mem::take(&mut s.outbox), s.cfg.clone(), s.root_id)
         }
         Err(_) => return,
     };
-    for (stream, call) in calls {
+    for job in jobs {
         // The host registers a callout with the effective context: make sure it is the root.
         let _ = hostcalls::set_effective_context(root_id);
-        let callout = call.callout(&cfg);
+        let callout = job.call.callout(&cfg);
         let headers: Vec<(&str, &str)> = callout.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
         let result = hostcalls::dispatch_http_call(
             &cfg.store_cluster,
@@ -179,51 +181,77 @@ fn flush_outbox(shared: &SharedRef) {
         match result {
             Ok(token) => {
                 if let Ok(mut s) = shared.try_borrow_mut() {
-                    s.callouts
-                        .insert(token, Pending { stream, kind: call.kind(), key: call.key().to_string() });
+                    s.callouts.insert(token, job);
                 }
             }
             Err(status) => {
                 log::warn!(
                     "store {:?} for key {}: dispatch failed: {status:?}",
-                    call.kind(),
-                    prefix(call.key())
+                    job.call.kind(),
+                    prefix(job.call.key())
                 );
-                settle(
-                    shared,
-                    stream,
-                    call.kind(),
-                    call.key(),
-                    Answered::fault(call.kind(), StoreFault::Dispatch),
-                );
+                let outcome = Answered::fault(job.call.kind(), StoreFault::Dispatch);
+                settle(shared, job, outcome, Caller::Root);
             }
         }
     }
 }
 
+/// Queues a store call and gets it dispatched from the root context.
+fn submit(shared: &SharedRef, job: Job, caller: Caller) {
+    let wake = match shared.try_borrow_mut() {
+        Ok(mut s) => {
+            s.outbox.push(job);
+            let wake = !s.wake_pending;
+            s.wake_pending = true;
+            wake.then_some(s.queue)
+        }
+        Err(_) => {
+            // Unreachable by construction (no borrow is held while effects apply); logged,
+            // because the request this belongs to would otherwise hang.
+            log::error!("store call for key {} dropped: state busy", prefix(job.call.key()));
+            return;
+        }
+    };
+    match (caller, wake) {
+        // Already in a root callback: dispatch now, no wake-up needed.
+        (Caller::Root, _) => flush_outbox(shared),
+        (Caller::Stream, Some(queue)) => {
+            if let Err(s) = hostcalls::enqueue_shared_queue(queue, Some(b"1")) {
+                // Without a wake-up the calls would never leave: fail them now, so no request
+                // stays paused (each one fails open or closed as configured).
+                log::error!("cannot wake the root context: {s:?}");
+                fail_outbox(shared);
+            }
+        }
+        (Caller::Stream, None) => {}
+    }
+}
+
 fn fail_outbox(shared: &SharedRef) {
-    let calls = match shared.try_borrow_mut() {
+    let jobs = match shared.try_borrow_mut() {
         Ok(mut s) => {
             s.wake_pending = false;
             std::mem::take(&mut s.outbox)
         }
         Err(_) => return,
     };
-    for (stream, call) in calls {
-        settle(shared, stream, call.kind(), call.key(), Answered::fault(call.kind(), StoreFault::Dispatch));
+    for job in jobs {
+        let outcome = Answered::fault(job.call.kind(), StoreFault::Dispatch);
+        settle(shared, job, outcome, Caller::Stream);
     }
 }
 
 fn on_store_answer(shared: &SharedRef, token: u32, answer: Answer<'_>) {
-    let Some(pending) = shared.try_borrow_mut().ok().and_then(|mut s| s.callouts.remove(&token)) else {
+    let Some(job) = shared.try_borrow_mut().ok().and_then(|mut s| s.callouts.remove(&token)) else {
         return;
     };
-    let outcome = match pending.kind {
+    let outcome = match job.call.kind() {
         CallKind::Begin => Answered::Begin(answer.begin()),
         CallKind::Commit => Answered::Commit(answer.commit()),
         CallKind::Release => Answered::Release(answer.release().map(|_| ())),
     };
-    settle(shared, pending.stream, pending.kind, &pending.key, outcome);
+    settle(shared, job, outcome, Caller::Root);
 }
 
 enum Answered {
@@ -243,25 +271,30 @@ impl Answered {
 }
 
 /// Acts on the end of a store call, whether it answered or could not be sent.
-fn settle(shared: &SharedRef, stream_id: u32, kind: CallKind, key: &str, outcome: Answered) {
+fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
+    let key = job.call.key();
     let mut effects = Vec::new();
     let fault = match &outcome {
         Answered::Begin(Err(f)) | Answered::Commit(Err(f)) | Answered::Release(Err(f)) => Some(*f),
         _ => None,
     };
     if let Some(f) = fault {
-        log::warn!("store {kind:?} for key {}: {f}", prefix(key));
+        log::warn!("store {:?} for key {} (try {}): {f}", job.call.kind(), prefix(key), job.attempt + 1);
         effects.push(Effect::Count(Metric::StoreErrors));
+        if let Some(next) = job.call.after_fault(job.attempt) {
+            let attempt = if next.kind() == job.call.kind() { job.attempt + 1 } else { 0 };
+            submit(shared, Job { stream: job.stream, call: next, attempt }, caller);
+        }
     }
-    let on_stream = match outcome {
+    let stream_alive = match outcome {
         Answered::Begin(answer) => {
             let Ok(mut s) = shared.try_borrow_mut() else { return };
-            match s.streams.get_mut(&stream_id) {
+            match s.streams.get_mut(&job.stream) {
                 Some(entry) => {
                     effects.extend(entry.stream.on_begin_answer(answer));
                     let gone = entry.gone;
                     if gone && entry.stream.is_settled() {
-                        s.streams.remove(&stream_id);
+                        s.streams.remove(&job.stream);
                     }
                     !gone
                 }
@@ -283,39 +316,39 @@ fn settle(shared: &SharedRef, stream_id: u32, kind: CallKind, key: &str, outcome
                     log::info!("store commit for key {}: an earlier record was kept", prefix(key));
                     effects.push(Effect::Count(Metric::CommitFailed));
                 }
+                // Counted once, when the retry is exhausted and the lock is given back.
+                Err(_) if job.attempt == 0 => {}
                 Err(_) => effects.push(Effect::Count(Metric::CommitFailed)),
             }
             false
         }
         Answered::Release(_) => false,
     };
-    apply(shared, stream_id, effects, if on_stream { Origin::RootForStream } else { Origin::Root });
+    apply(shared, job.stream, effects, caller, stream_alive);
 }
 
 fn prefix(key: &str) -> &str {
     key.get(..12).unwrap_or(key)
 }
 
+/// Which kind of callback effects are applied in: the host call rules differ.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Origin {
-    /// In the stream's own callback.
+enum Caller {
+    /// The stream's own callback.
     Stream,
-    /// In a root callback, acting on a live stream.
-    RootForStream,
-    /// In a root callback, with no stream to act on.
+    /// A root callback (a store answer, a queue wake-up).
     Root,
 }
 
-fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, origin: Origin) {
+fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, caller: Caller, stream_alive: bool) {
     for effect in effects {
         match effect {
             Effect::Respond(r) => {
-                if origin == Origin::Root {
+                if !stream_alive {
                     continue;
                 }
-                if origin == Origin::RootForStream {
-                    let _ = hostcalls::set_effective_context(stream_id);
-                }
+                // Also in a stream callback: a failed wake-up settles other streams' calls too.
+                let _ = hostcalls::set_effective_context(stream_id);
                 let headers: Vec<(&str, &str)> =
                     r.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
                 if let Err(s) = hostcalls::send_http_response(r.status, headers, Some(&r.body)) {
@@ -323,43 +356,16 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, origin: Origi
                 }
             }
             Effect::Resume => {
-                if origin == Origin::Root {
+                if !stream_alive {
                     continue;
                 }
-                if origin == Origin::RootForStream {
-                    let _ = hostcalls::set_effective_context(stream_id);
-                }
+                // Also in a stream callback: a failed wake-up settles other streams' calls too.
+                let _ = hostcalls::set_effective_context(stream_id);
                 if let Err(s) = hostcalls::resume_http_request() {
                     log::warn!("cannot resume request: {s:?}");
                 }
             }
-            Effect::Store(call) => {
-                let wake = match shared.try_borrow_mut() {
-                    Ok(mut s) => {
-                        s.outbox.push((stream_id, call));
-                        let wake = !s.wake_pending;
-                        s.wake_pending = true;
-                        wake.then_some(s.queue)
-                    }
-                    Err(_) => {
-                        // Unreachable by construction (no borrow is held while effects apply);
-                        // logged, because the request this belongs to would otherwise hang.
-                        log::error!("store call for key {} dropped: state busy", prefix(call.key()));
-                        None
-                    }
-                };
-                if origin != Origin::Stream {
-                    // Already in a root callback: dispatch now, no need for a wake-up.
-                    flush_outbox(shared);
-                } else if let Some(queue) = wake {
-                    if let Err(s) = hostcalls::enqueue_shared_queue(queue, Some(b"1")) {
-                        // Without a wake-up the calls would never leave: fail them now, so no
-                        // request stays paused (each one fails open or closed as configured).
-                        log::error!("cannot wake the root context: {s:?}");
-                        fail_outbox(shared);
-                    }
-                }
-            }
+            Effect::Store(call) => submit(shared, Job { stream: stream_id, call, attempt: 0 }, caller),
             Effect::Count(m) => {
                 if let Some(id) = shared.try_borrow().ok().and_then(|s| s.metrics.get(m.index()).copied()) {
                     let _ = hostcalls::increment_metric(id, 1);
@@ -384,7 +390,7 @@ impl HttpStream {
                 s.streams.entry(self.id).or_insert_with(|| Entry { stream: Stream::new(cfg), gone: false });
             f(&mut entry.stream, &HostView::default())
         };
-        apply(shared, self.id, step.effects, Origin::Stream);
+        apply(shared, self.id, step.effects, Caller::Stream, true);
         match step.action {
             Action::Continue => HostAction::Continue,
             Action::Pause => HostAction::Pause,
@@ -410,7 +416,7 @@ impl Context for HttpStream {
             },
             Err(_) => Vec::new(),
         };
-        apply(shared, self.id, effects, Origin::Stream);
+        apply(shared, self.id, effects, Caller::Stream, true);
         true
     }
 }

@@ -46,6 +46,20 @@ impl StoreCall {
         }
     }
 
+    /// What to send when this call failed on its `attempt`-th try (0 first). A failed commit is
+    /// tried once more (safe: if the first one did land, the second finds the record and keeps
+    /// it), then its lock is released, so that duplicates run again instead of waiting out the
+    /// lock's TTL. A failed release is left to the TTL; a failed begin is the request's to handle.
+    pub fn after_fault(&self, attempt: u32) -> Option<StoreCall> {
+        match self {
+            StoreCall::Commit { .. } if attempt == 0 => Some(self.clone()),
+            StoreCall::Commit { key, token, .. } => {
+                Some(StoreCall::Release { key: key.clone(), token: token.clone() })
+            }
+            StoreCall::Begin { .. } | StoreCall::Release { .. } => None,
+        }
+    }
+
     pub fn callout(&self, cfg: &Config) -> Callout {
         let mut headers = vec![
             (":method", "POST".to_string()),
@@ -209,6 +223,17 @@ mod tests {
         let release = StoreCall::Release { key: k, token: "t".into() }.callout(&cfg());
         assert!(release.headers.contains(&(":path", "/v1/release".into())));
         assert!(release.headers.contains(&(proto::HEADER_TOKEN, "t".into())));
+    }
+
+    #[test]
+    fn failed_commit_is_retried_once_then_released() {
+        let commit =
+            StoreCall::Commit { key: "k".into(), token: "t".into(), body_hash: "h".into(), record: vec![1] };
+        assert_eq!(commit.after_fault(0), Some(commit.clone()));
+        let release = StoreCall::Release { key: "k".into(), token: "t".into() };
+        assert_eq!(commit.after_fault(1), Some(release.clone()));
+        assert_eq!(release.after_fault(0), None);
+        assert_eq!(StoreCall::Begin { key: "k".into(), body_hash: "h".into() }.after_fault(0), None);
     }
 
     #[test]

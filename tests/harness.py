@@ -392,6 +392,18 @@ def static_cluster(name: str, port: int | list[int], http2: bool = False, connec
     return c
 
 
+def store_cluster(ports: int | list[int], name: str = "idemstore") -> dict:
+    """The filter's store cluster as envoy/envoy.yaml ships it: h2c, limits sized for bursts."""
+    c = static_cluster(name, ports, http2=True, connect_timeout="0.25s")
+    opts = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    opts["explicit_http_config"]["http2_protocol_options"] = {"max_concurrent_streams": 100}
+    c["circuit_breakers"] = {"thresholds": [{
+        "priority": "DEFAULT", "max_connections": 1000,
+        "max_pending_requests": 100000, "max_requests": 100000,
+    }]}
+    return c
+
+
 def envoy_config(admin_port: int, listeners: list[dict], upstream_port: int,
                  idemstore_port: int | list[int]) -> dict:
     """Clusters `upstream` (HTTP/1.1) and `idemstore` (h2c; every port of a list, round-robin)."""
@@ -401,7 +413,7 @@ def envoy_config(admin_port: int, listeners: list[dict], upstream_port: int,
             "listeners": listeners,
             "clusters": [
                 static_cluster("upstream", upstream_port),
-                static_cluster("idemstore", idemstore_port, http2=True, connect_timeout="0.25s"),
+                store_cluster(idemstore_port),
             ],
         },
     }
