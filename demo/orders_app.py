@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import threading
 import time
@@ -66,6 +67,12 @@ ORDERS = Orders()
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "orders-demo/1"
+
+    def setup(self):
+        super().setup()
+        # Headers and body leave in separate writes: without TCP_NODELAY, Nagle's algorithm
+        # holds the body until the peer's delayed ACK (about 40 ms) on every response.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def log_message(self, fmt: str, *args) -> None:
         key = self.headers.get("idempotency-key") if hasattr(self, "headers") and self.headers else None

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import socket
 import sys
 import threading
 import time
@@ -90,6 +91,12 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "counting-upstream/1"
     quiet = False
+
+    def setup(self):
+        super().setup()
+        # Headers and body leave in separate writes: without TCP_NODELAY, Nagle's algorithm
+        # holds the body until the peer's delayed ACK (about 40 ms) on every response.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # --- plumbing -------------------------------------------------------------------------
 

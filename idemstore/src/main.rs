@@ -12,6 +12,7 @@ use idemstore::backend::redis::RedisBackend;
 use idemstore::backend::Backend;
 use idemstore::http;
 use idemstore::store::Store;
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -109,6 +110,13 @@ async fn serve<B: Backend>(listener: TcpListener, backend: B, max_body: usize) -
         tracing::warn!(error = %e, "backend not reachable yet");
     }
     let app = http::router(Arc::clone(&store), max_body);
+    // A waiter's answer often follows another answer on the same h2 connection within
+    // microseconds; with Nagle's algorithm it would wait for Envoy's delayed ACK (~40 ms).
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown_signal().await;
