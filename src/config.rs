@@ -45,6 +45,11 @@ pub struct Config {
     pub replay_headers: Vec<String>,
     pub subject: Subject,
     pub failure_mode: FailureMode,
+    /// Send a locked request to the upstream from the root context, so it outlives the client.
+    pub detached_execution: bool,
+    pub detached_timeout_ms: u64,
+    /// Header that carries the derived store key to the upstream (absent: not sent).
+    pub store_key_header: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,6 +127,26 @@ impl Config {
             Some(_) => return Err(err("failure_mode", "must be \"open\" or \"closed\"")),
         };
 
+        let detached_execution = boolean(take("detached_execution"), "detached_execution", false)?;
+        // A detached call that outlived its lock would run unguarded: it is bounded by the TTL.
+        let detached_timeout_ms = number(
+            take("detached_timeout_ms"),
+            "detached_timeout_ms",
+            1..=lock_ttl_ms,
+            15_000.min(lock_ttl_ms),
+        )
+        .map_err(|e| ConfigError { message: format!("{} (at most lock_ttl_ms)", e.message), ..e })?;
+        let store_key_header = match take("store_key_header") {
+            None | Some(Value::Null) => None,
+            Some(v) => {
+                let name = header_name("store_key_header", v)?;
+                if name == "idempotency-key" || headers::is_never_replayed(&name) {
+                    return Err(err("store_key_header", format!("must not be {name:?}")));
+                }
+                Some(name)
+            }
+        };
+
         if let Some(unknown) = map.keys().next() {
             return Err(err(unknown, "is not a known key"));
         }
@@ -140,6 +165,9 @@ impl Config {
             replay_headers,
             subject,
             failure_mode,
+            detached_execution,
+            detached_timeout_ms,
+            store_key_header,
         })
     }
 
@@ -291,6 +319,11 @@ mod tests {
         assert_eq!(c.replay_headers, ["content-type", "location"]);
         assert_eq!(c.subject, Subject::ClientIp);
         assert_eq!(c.failure_mode, FailureMode::Open);
+        assert!(!c.detached_execution);
+        assert_eq!(c.detached_timeout_ms, 15_000);
+        assert_eq!(c.store_key_header, None);
+        let short_ttl = parse(r#"{"store_cluster":"s","lock_ttl_ms":5000}"#).unwrap();
+        assert_eq!(short_ttl.detached_timeout_ms, 5_000, "the default is bounded by the TTL");
     }
 
     #[test]
@@ -301,12 +334,16 @@ mod tests {
                 "max_key_length":64,"max_body_bytes":0,"max_record_bytes":10,
                 "replay_header":"x-replay","replay_headers":["etag"],
                 "subject":{"metadata":{"filter":"envoy.filters.http.jwt_authn","path":["payload","sub"]}},
-                "failure_mode":"closed"}"#,
+                "failure_mode":"closed","detached_execution":true,"detached_timeout_ms":900,
+                "store_key_header":"x-idempotency-store-key"}"#,
         )
         .unwrap();
         assert_eq!(c.retention_seconds, 604_800);
         assert_eq!(c.methods, ["PUT"]);
         assert_eq!(c.failure_mode, FailureMode::Closed);
+        assert!(c.detached_execution);
+        assert_eq!(c.detached_timeout_ms, 900);
+        assert_eq!(c.store_key_header.as_deref(), Some("x-idempotency-store-key"));
         assert_eq!(
             c.subject,
             Subject::Metadata {
@@ -351,6 +388,10 @@ mod tests {
                 "subject.metadata.path",
             ),
             (r#"{"store_cluster":"s","max_body_bytes":99999999999}"#, "max_body_bytes"),
+            (r#"{"store_cluster":"s","lock_ttl_ms":1000,"detached_timeout_ms":1001}"#, "detached_timeout_ms"),
+            (r#"{"store_cluster":"s","detached_execution":1}"#, "detached_execution"),
+            (r#"{"store_cluster":"s","store_key_header":"idempotency-key"}"#, "store_key_header"),
+            (r#"{"store_cluster":"s","store_key_header":"X-Key"}"#, "store_key_header"),
         ];
         for (json, key) in cases {
             let e = parse(json).unwrap_err();

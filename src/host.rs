@@ -21,6 +21,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use crate::config::Config;
+use crate::detached::{UpstreamAnswer, UpstreamCall};
 use crate::machine::{Action, Effect, Step, Stream, StreamView};
 use crate::metrics::Metric;
 use crate::store::{Answer, BeginAnswer, CallKind, StoreCall, StoreFault};
@@ -49,12 +50,28 @@ struct Entry {
     gone: bool,
 }
 
-/// A store call on behalf of a stream (which may be gone by the time it answers).
+/// A callout on behalf of a stream (which may be gone by the time it answers).
 struct Job {
     stream: u32,
-    call: StoreCall,
+    call: Call,
     /// 0 for the first try; see [`StoreCall::after_fault`].
     attempt: u32,
+}
+
+enum Call {
+    Store(StoreCall),
+    /// Detached execution: the request itself, to the route's cluster.
+    Upstream(UpstreamCall),
+}
+
+impl Call {
+    /// For log lines: the store key's prefix, or the cluster of a detached call.
+    fn label(&self) -> String {
+        match self {
+            Call::Store(c) => format!("store {:?} for key {}", c.kind(), prefix(c.key())),
+            Call::Upstream(c) => format!("detached call to {}", c.cluster),
+        }
+    }
 }
 
 type SharedRef = Rc<RefCell<Shared>>;
@@ -116,7 +133,7 @@ impl Context for Root {
         } else {
             Vec::new()
         };
-        on_store_answer(shared, token, Answer { headers: &headers, body: &body });
+        on_callout_answer(shared, token, headers, body);
     }
 }
 
@@ -157,7 +174,7 @@ impl RootContext for Root {
     }
 }
 
-/// Dispatches every queued store call. Runs in a root callback, so the callouts belong to the root.
+/// Dispatches every queued callout. Runs in a root callback, so the callouts belong to the root.
 fn flush_outbox(shared: &SharedRef) {
     let (jobs, cfg, root_id) = match shared.try_borrow_mut() {
         Ok(mut s) => {
@@ -169,15 +186,19 @@ fn flush_outbox(shared: &SharedRef) {
     for job in jobs {
         // The host registers a callout with the effective context: make sure it is the root.
         let _ = hostcalls::set_effective_context(root_id);
-        let callout = job.call.callout(&cfg);
-        let headers: Vec<(&str, &str)> = callout.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-        let result = hostcalls::dispatch_http_call(
-            &cfg.store_cluster,
-            headers,
-            callout.body.as_deref(),
-            vec![],
-            Duration::from_millis(callout.timeout_ms),
-        );
+        let result = match &job.call {
+            Call::Store(call) => {
+                let c = call.callout(&cfg);
+                let headers = c.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+                let timeout = Duration::from_millis(c.timeout_ms);
+                hostcalls::dispatch_http_call(&cfg.store_cluster, headers, c.body.as_deref(), vec![], timeout)
+            }
+            Call::Upstream(c) => {
+                let headers = c.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                let timeout = Duration::from_millis(c.timeout_ms);
+                hostcalls::dispatch_http_call(&c.cluster, headers, Some(&c.body), vec![], timeout)
+            }
+        };
         match result {
             Ok(token) => {
                 if let Ok(mut s) = shared.try_borrow_mut() {
@@ -185,19 +206,15 @@ fn flush_outbox(shared: &SharedRef) {
                 }
             }
             Err(status) => {
-                log::warn!(
-                    "store {:?} for key {}: dispatch failed: {status:?}",
-                    job.call.kind(),
-                    prefix(job.call.key())
-                );
-                let outcome = Answered::fault(job.call.kind(), StoreFault::Dispatch);
+                log::warn!("{}: dispatch failed: {status:?}", job.call.label());
+                let outcome = Answered::fault(&job.call, StoreFault::Dispatch);
                 settle(shared, job, outcome, Caller::Root);
             }
         }
     }
 }
 
-/// Queues a store call and gets it dispatched from the root context.
+/// Queues a callout and gets it dispatched from the root context.
 fn submit(shared: &SharedRef, job: Job, caller: Caller) {
     let wake = match shared.try_borrow_mut() {
         Ok(mut s) => {
@@ -209,7 +226,7 @@ fn submit(shared: &SharedRef, job: Job, caller: Caller) {
         Err(_) => {
             // Unreachable by construction (no borrow is held while effects apply); logged,
             // because the request this belongs to would otherwise hang.
-            log::error!("store call for key {} dropped: state busy", prefix(job.call.key()));
+            log::error!("{} dropped: state busy", job.call.label());
             return;
         }
     };
@@ -237,19 +254,25 @@ fn fail_outbox(shared: &SharedRef) {
         Err(_) => return,
     };
     for job in jobs {
-        let outcome = Answered::fault(job.call.kind(), StoreFault::Dispatch);
+        let outcome = Answered::fault(&job.call, StoreFault::Dispatch);
         settle(shared, job, outcome, Caller::Stream);
     }
 }
 
-fn on_store_answer(shared: &SharedRef, token: u32, answer: Answer<'_>) {
+fn on_callout_answer(shared: &SharedRef, token: u32, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) {
     let Some(job) = shared.try_borrow_mut().ok().and_then(|mut s| s.callouts.remove(&token)) else {
         return;
     };
-    let outcome = match job.call.kind() {
-        CallKind::Begin => Answered::Begin(answer.begin()),
-        CallKind::Commit => Answered::Commit(answer.commit()),
-        CallKind::Release => Answered::Release(answer.release().map(|_| ())),
+    let outcome = match &job.call {
+        Call::Store(c) => {
+            let answer = Answer { headers: &headers, body: &body };
+            match c.kind() {
+                CallKind::Begin => Answered::Begin(answer.begin()),
+                CallKind::Commit => Answered::Commit(answer.commit()),
+                CallKind::Release => Answered::Release(answer.release().map(|_| ())),
+            }
+        }
+        Call::Upstream(_) => Answered::Upstream(UpstreamAnswer::decode(headers, body)),
     };
     settle(shared, job, outcome, Caller::Root);
 }
@@ -258,54 +281,60 @@ enum Answered {
     Begin(Result<BeginAnswer, StoreFault>),
     Commit(Result<CommitOutcome, StoreFault>),
     Release(Result<(), StoreFault>),
+    Upstream(Result<UpstreamAnswer, StoreFault>),
 }
 
 impl Answered {
-    fn fault(kind: CallKind, f: StoreFault) -> Answered {
-        match kind {
-            CallKind::Begin => Answered::Begin(Err(f)),
-            CallKind::Commit => Answered::Commit(Err(f)),
-            CallKind::Release => Answered::Release(Err(f)),
+    fn fault(call: &Call, f: StoreFault) -> Answered {
+        match call {
+            Call::Store(c) => match c.kind() {
+                CallKind::Begin => Answered::Begin(Err(f)),
+                CallKind::Commit => Answered::Commit(Err(f)),
+                CallKind::Release => Answered::Release(Err(f)),
+            },
+            Call::Upstream(_) => Answered::Upstream(Err(f)),
         }
     }
 }
 
-/// Acts on the end of a store call, whether it answered or could not be sent.
+/// Acts on the end of a callout, whether it answered or could not be sent.
 fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
-    let key = job.call.key();
     let mut effects = Vec::new();
-    let fault = match &outcome {
-        Answered::Begin(Err(f)) | Answered::Commit(Err(f)) | Answered::Release(Err(f)) => Some(*f),
-        _ => None,
-    };
-    if let Some(f) = fault {
-        log::warn!("store {:?} for key {} (try {}): {f}", job.call.kind(), prefix(key), job.attempt + 1);
-        effects.push(Effect::Count(Metric::StoreErrors));
-        if let Some(next) = job.call.after_fault(job.attempt) {
-            let attempt = if next.kind() == job.call.kind() { job.attempt + 1 } else { 0 };
-            submit(shared, Job { stream: job.stream, call: next, attempt }, caller);
+    if let Call::Store(call) = &job.call {
+        let fault = match &outcome {
+            Answered::Begin(Err(f)) | Answered::Commit(Err(f)) | Answered::Release(Err(f)) => Some(*f),
+            _ => None,
+        };
+        if let Some(f) = fault {
+            log::warn!("{} (try {}): {f}", job.call.label(), job.attempt + 1);
+            effects.push(Effect::Count(Metric::StoreErrors));
+            if let Some(next) = call.after_fault(job.attempt) {
+                let attempt = if next.kind() == call.kind() { job.attempt + 1 } else { 0 };
+                submit(shared, Job { stream: job.stream, call: Call::Store(next), attempt }, caller);
+            }
         }
     }
     let stream_alive = match outcome {
         Answered::Begin(answer) => {
-            let Ok(mut s) = shared.try_borrow_mut() else { return };
-            match s.streams.get_mut(&job.stream) {
-                Some(entry) => {
-                    effects.extend(entry.stream.on_begin_answer(answer));
-                    let gone = entry.gone;
-                    if gone && entry.stream.is_settled() {
-                        s.streams.remove(&job.stream);
-                    }
-                    !gone
+            let known = shared.try_borrow().is_ok_and(|s| s.streams.contains_key(&job.stream));
+            match (&job.call, answer) {
+                (_, answer) if known => {
+                    on_stream_answer(shared, &job, &mut effects, |s| s.on_begin_answer(answer))
                 }
-                None => {
-                    // Should not happen (entries outlive their pending begin); never leak a lock.
-                    if let Ok(BeginAnswer::Locked { token }) = answer {
-                        effects.push(Effect::Store(StoreCall::Release { key: key.to_string(), token }));
-                    }
+                // Entries outlive their pending begin, so this is not expected; never leak a lock.
+                (Call::Store(call), Ok(BeginAnswer::Locked { token })) => {
+                    let key = call.key().to_string();
+                    effects.push(Effect::Store(StoreCall::Release { key, token }));
                     false
                 }
+                _ => false,
             }
+        }
+        Answered::Upstream(answer) => {
+            if let Err(f) = &answer {
+                log::warn!("{}: {f}", job.call.label());
+            }
+            on_stream_answer(shared, &job, &mut effects, |s| s.on_upstream_answer(answer))
         }
         Answered::Commit(result) => {
             match result {
@@ -313,7 +342,7 @@ fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
                     effects.push(Effect::Count(Metric::Stored))
                 }
                 Ok(CommitOutcome::Exists) => {
-                    log::info!("store commit for key {}: an earlier record was kept", prefix(key));
+                    log::info!("{}: an earlier record was kept", job.call.label());
                     effects.push(Effect::Count(Metric::CommitFailed));
                 }
                 // Counted once, when the retry is exhausted and the lock is given back.
@@ -325,6 +354,28 @@ fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
         Answered::Release(_) => false,
     };
     apply(shared, job.stream, effects, caller, stream_alive);
+}
+
+/// Feeds an answer to the stream's machine (if Envoy has not destroyed it yet, the answer is
+/// for the client too) and forgets a destroyed stream once nothing of it is pending.
+fn on_stream_answer(
+    shared: &SharedRef,
+    job: &Job,
+    effects: &mut Vec<Effect>,
+    feed: impl FnOnce(&mut Stream) -> Vec<Effect>,
+) -> bool {
+    let Ok(mut s) = shared.try_borrow_mut() else { return false };
+    let Some(entry) = s.streams.get_mut(&job.stream) else {
+        // Entries outlive their pending calls: not expected.
+        log::error!("{}: answer for an unknown stream", job.call.label());
+        return false;
+    };
+    effects.extend(feed(&mut entry.stream));
+    let gone = entry.gone;
+    if gone && entry.stream.is_settled() {
+        s.streams.remove(&job.stream);
+    }
+    !gone
 }
 
 fn prefix(key: &str) -> &str {
@@ -359,13 +410,28 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, caller: Calle
                 if !stream_alive {
                     continue;
                 }
-                // Also in a stream callback: a failed wake-up settles other streams' calls too.
                 let _ = hostcalls::set_effective_context(stream_id);
                 if let Err(s) = hostcalls::resume_http_request() {
                     log::warn!("cannot resume request: {s:?}");
                 }
             }
-            Effect::Store(call) => submit(shared, Job { stream: stream_id, call, attempt: 0 }, caller),
+            // Only emitted on request headers, in the stream's own callback.
+            Effect::SetRequestHeader(name, value) => {
+                if let Err(s) = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value)) {
+                    log::warn!("cannot set request header {name}: {s:?}");
+                }
+            }
+            Effect::RemoveRequestHeader(name) => {
+                if let Err(s) = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None) {
+                    log::warn!("cannot remove request header {name}: {s:?}");
+                }
+            }
+            Effect::Store(call) => {
+                submit(shared, Job { stream: stream_id, call: Call::Store(call), attempt: 0 }, caller)
+            }
+            Effect::Upstream(call) => {
+                submit(shared, Job { stream: stream_id, call: Call::Upstream(call), attempt: 0 }, caller)
+            }
             Effect::Count(m) => {
                 if let Some(id) = shared.try_borrow().ok().and_then(|s| s.metrics.get(m.index()).copied()) {
                     let _ = hostcalls::increment_metric(id, 1);
@@ -459,6 +525,12 @@ fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
 }
 
 impl StreamView for HostView {
+    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
+        self.request
+            .get_or_init(|| hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default())
+            .clone()
+    }
+
     fn request_header(&self, name: &str) -> Vec<Vec<u8>> {
         let pairs = self
             .request

@@ -4,6 +4,7 @@
 //! natively; `host` is the thin layer that talks to Envoy.
 
 pub mod config;
+pub mod detached;
 pub mod headers;
 pub mod key;
 pub mod machine;

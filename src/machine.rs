@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 use std::rc::Rc;
 
 use crate::config::{Config, FailureMode, Subject};
+use crate::detached::{self, UpstreamAnswer, UpstreamCall};
 use crate::headers;
 use crate::key;
 use crate::metrics::Metric;
@@ -30,6 +31,8 @@ use crate::store::{BeginAnswer, StoreCall, StoreFault};
 pub trait StreamView {
     /// Every value of a request header (lower-case name; pseudo-headers like `:method` included).
     fn request_header(&self, name: &str) -> Vec<Vec<u8>>;
+    /// All request headers, in order.
+    fn request_headers(&self) -> Vec<(String, Vec<u8>)>;
     /// Every value of a response header (`:status` included).
     fn response_header(&self, name: &str) -> Vec<Vec<u8>>;
     /// An Envoy attribute, e.g. `["source", "address"]`.
@@ -55,6 +58,11 @@ pub enum Effect {
     Resume,
     /// A store call, owned by the root context so that it outlives the stream.
     Store(StoreCall),
+    /// The request itself, sent by the root context (detached execution).
+    Upstream(UpstreamCall),
+    /// Set a request header before the request goes on, replacing any value the client sent.
+    SetRequestHeader(String, String),
+    RemoveRequestHeader(String),
     Count(Metric),
 }
 
@@ -105,6 +113,13 @@ enum State {
         body_hash: String,
         token: String,
     },
+    /// The filter itself sent the request (detached execution); `gone`: the client went away.
+    Detached {
+        key: String,
+        body_hash: String,
+        token: String,
+        gone: bool,
+    },
     Capturing {
         key: String,
         body_hash: String,
@@ -115,14 +130,23 @@ enum State {
     Done,
 }
 
+/// What a detached execution sends: captured while the request is paused.
+#[derive(Debug)]
+struct Detach {
+    cluster: String,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
 pub struct Stream {
     cfg: Rc<Config>,
     state: State,
+    detach: Option<Detach>,
 }
 
 impl Stream {
     pub fn new(cfg: Rc<Config>) -> Stream {
-        Stream { cfg, state: State::Start }
+        Stream { cfg, state: State::Start, detach: None }
     }
 
     /// The store key, once derived: for log lines (a prefix of it, never the client's key).
@@ -132,6 +156,7 @@ impl Stream {
             | State::Beginning { key, .. }
             | State::Orphaned { key }
             | State::Executing { key, .. }
+            | State::Detached { key, .. }
             | State::Capturing { key, .. } => Some(key),
             State::Start | State::Done => None,
         }
@@ -139,7 +164,7 @@ impl Stream {
 
     /// True once nothing this stream started is pending: the host may forget it.
     pub fn is_settled(&self) -> bool {
-        !matches!(self.state, State::Orphaned { .. } | State::Beginning { .. })
+        !matches!(self.state, State::Orphaned { .. } | State::Beginning { .. } | State::Detached { .. })
     }
 
     pub fn on_request_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
@@ -152,14 +177,18 @@ impl Stream {
             return Step::go(vec![]);
         };
         if !self.cfg.guards_method(method) {
-            return Step::go(vec![]);
+            return Step::go(self.strip_store_key_header(view));
         }
         let values = view.request_header("idempotency-key");
         let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
         let client_key = match key::parse_client_key(&values, self.cfg.max_key_length) {
             Err(e) => return reject(problem::invalid_key(e)),
             Ok(None) if self.cfg.require_key => return reject(problem::missing_key()),
-            Ok(None) => return Step::go(vec![Effect::Count(Metric::Passthrough)]),
+            Ok(None) => {
+                let mut effects = self.strip_store_key_header(view);
+                effects.push(Effect::Count(Metric::Passthrough));
+                return Step::go(effects);
+            }
             Ok(Some(k)) => k,
         };
         let mut effects = vec![Effect::Count(Metric::Guarded)];
@@ -177,6 +206,12 @@ impl Stream {
             }
         };
         let key = key::store_key(&subject, method, &route, &client_key);
+        if let Some(name) = &self.cfg.store_key_header {
+            effects.push(Effect::SetRequestHeader(name.clone(), key.clone()));
+        }
+        if self.cfg.detached_execution {
+            self.detach = self.capture_for_detach(view, &key);
+        }
         self.state = State::Hashing { key, hasher: Sha256::new(), seen: 0 };
         if end_of_stream {
             effects.extend(self.begin());
@@ -199,6 +234,9 @@ impl Stream {
             };
             hasher.update(&chunk);
             *seen += chunk.len();
+            if let Some(d) = &mut self.detach {
+                d.body.extend_from_slice(&chunk);
+            }
         }
         if end_of_stream {
             return Step::pause(self.begin());
@@ -241,10 +279,26 @@ impl Stream {
                 Ok(BeginAnswer::Busy) => {
                     vec![Effect::Respond(problem::in_flight()), Effect::Count(Metric::Conflicted)]
                 }
-                Ok(BeginAnswer::Locked { token }) => {
-                    self.state = State::Executing { key, body_hash, token };
-                    vec![Effect::Resume, Effect::Count(Metric::Executed)]
-                }
+                Ok(BeginAnswer::Locked { token }) => match self.detach.take() {
+                    Some(d) => {
+                        let call = UpstreamCall {
+                            cluster: d.cluster,
+                            headers: d.headers,
+                            body: d.body,
+                            timeout_ms: self.cfg.detached_timeout_ms,
+                        };
+                        self.state = State::Detached { key, body_hash, token, gone: false };
+                        vec![
+                            Effect::Upstream(call),
+                            Effect::Count(Metric::Executed),
+                            Effect::Count(Metric::Detached),
+                        ]
+                    }
+                    None => {
+                        self.state = State::Executing { key, body_hash, token };
+                        vec![Effect::Resume, Effect::Count(Metric::Executed)]
+                    }
+                },
                 Err(fault) => self.fault(fault),
             },
             State::Orphaned { key } => match answer {
@@ -305,6 +359,11 @@ impl Stream {
                 if end_of_stream {
                     return Step::go(self.finish_capture());
                 }
+                Step::go(vec![])
+            }
+            // Envoy answered the client itself (e.g. a stream timeout): the detached call goes on.
+            State::Detached { key, body_hash, token, .. } => {
+                self.state = State::Detached { key, body_hash, token, gone: true };
                 Step::go(vec![])
             }
             // The request never reached the upstream (Envoy answered it, e.g. a timeout while
@@ -381,6 +440,76 @@ impl Stream {
                 self.state = State::Orphaned { key };
                 vec![]
             }
+            State::Detached { key, body_hash, token, .. } => {
+                self.state = State::Detached { key, body_hash, token, gone: true };
+                vec![]
+            }
+            _ => vec![],
+        }
+    }
+
+    /// The answer to a detached execution: to the client if it is still there, and to the
+    /// store in any case (a commit, or a release for what is not stored).
+    pub fn on_upstream_answer(&mut self, answer: Result<UpstreamAnswer, StoreFault>) -> Vec<Effect> {
+        let (key, body_hash, token, gone) = match std::mem::replace(&mut self.state, State::Done) {
+            State::Detached { key, body_hash, token, gone } => (key, body_hash, token, gone),
+            other => {
+                self.state = other;
+                return vec![];
+            }
+        };
+        let mut effects = Vec::new();
+        let answer = match answer {
+            Ok(a) => a,
+            Err(_) => {
+                if !gone {
+                    effects.push(Effect::Respond(problem::upstream_failed()));
+                }
+                effects.extend(release(key, token));
+                return effects;
+            }
+        };
+        if !gone {
+            effects.push(Effect::Respond(answer.to_local_response()));
+        }
+        let storable = (200..=299).contains(&answer.status)
+            && match answer.header("content-type") {
+                Some(ct) => headers::is_json_content_type(ct),
+                None => answer.body.is_empty(),
+            }
+            && answer.body.len() <= self.cfg.max_record_bytes;
+        if !storable {
+            effects.extend(release(key, token));
+            return effects;
+        }
+        let headers = self.record_headers(|name| {
+            answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+        });
+        let record = Record { status: answer.status, headers, body: answer.body };
+        effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
+        if gone {
+            effects.push(Effect::Count(Metric::CommittedAfterGone));
+        }
+        effects
+    }
+
+    /// The request as a detached execution will send it, or `None` to route it normally.
+    fn capture_for_detach(&self, view: &dyn StreamView, key: &str) -> Option<Detach> {
+        let cluster = view.property(&["xds", "cluster_name"]).filter(|c| !c.is_empty())?;
+        let cluster = String::from_utf8(cluster).ok()?;
+        let mut headers = detached::forwardable_request(&view.request_headers())?;
+        if let Some(name) = &self.cfg.store_key_header {
+            detached::set_header(&mut headers, name, key);
+        }
+        Some(Detach { cluster, headers, body: Vec::new() })
+    }
+
+    /// A client must not be able to hand the upstream a store key of its choosing.
+    fn strip_store_key_header(&self, view: &dyn StreamView) -> Vec<Effect> {
+        match &self.cfg.store_key_header {
+            Some(name) if !view.request_header(name).is_empty() => {
+                vec![Effect::RemoveRequestHeader(name.clone())]
+            }
             _ => vec![],
         }
     }
@@ -405,9 +534,14 @@ impl Stream {
     }
 
     fn allowed_headers(&self, view: &dyn StreamView) -> Vec<(String, String)> {
+        self.record_headers(|name| view.response_header(name))
+    }
+
+    /// The allow-listed response headers, as a record keeps them.
+    fn record_headers(&self, values_of: impl Fn(&str) -> Vec<Vec<u8>>) -> Vec<(String, String)> {
         let mut out = Vec::new();
         for name in &self.cfg.replay_headers {
-            for value in view.response_header(name) {
+            for value in values_of(name) {
                 // A value Envoy could not send back in a local reply is left out, not mangled.
                 if headers::is_valid_value(&value) {
                     if let Ok(v) = String::from_utf8(value) {

@@ -1,4 +1,5 @@
 use super::*;
+use crate::detached::{UpstreamAnswer, UpstreamCall};
 use crate::key::hex;
 use crate::store::BeginAnswer;
 use std::collections::HashMap;
@@ -41,6 +42,9 @@ impl MockView {
 }
 
 impl StreamView for MockView {
+    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
+        self.request.clone()
+    }
     fn request_header(&self, name: &str) -> Vec<Vec<u8>> {
         self.request.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
     }
@@ -448,8 +452,9 @@ fn random_event_sequences_keep_the_invariants() {
         seed % n
     };
     for _ in 0..5000 {
-        let mut s = Stream::new(cfg(if next(2) == 0 { "" } else { r#","failure_mode":"closed""# }));
+        let mut s = Stream::new(cfg([r#""#, r#","failure_mode":"closed""#, DETACHED][next(3) as usize]));
         let mut v = MockView::post(if next(5) == 0 { None } else { Some("k") });
+        v.prop("xds.cluster_name", "app");
         v.request_body = vec![b'x'; 120];
         v.response_chunk = vec![b'y'; 40];
         let statuses = ["200", "201", "204", "500", "302"];
@@ -474,8 +479,11 @@ fn random_event_sequences_keep_the_invariants() {
                 }
             }
         };
+        let mut trace = Vec::new();
         for _ in 0..12 {
-            let effects = match next(10) {
+            let ev = next(10);
+            trace.push(ev);
+            let effects = match ev {
                 0 => s.on_request_headers(&v, next(2) == 0).effects,
                 1 => s.on_request_body(&v, next(121) as usize, next(2) == 0).effects,
                 2 => s.on_request_trailers().effects,
@@ -498,6 +506,14 @@ fn random_event_sequences_keep_the_invariants() {
                 4 | 5 => s.on_response_headers(&v, next(3) == 0).effects,
                 6 | 7 => s.on_response_body(&v, next(41) as usize, next(3) == 0).effects,
                 8 => s.on_response_trailers().effects,
+                9 if next(2) == 0 => {
+                    let a = ["201", "500"][next(2) as usize];
+                    s.on_upstream_answer(if next(4) == 0 {
+                        Err(StoreFault::Timeout)
+                    } else {
+                        Ok(answer(a, None, b""))
+                    })
+                }
                 _ => s.on_stream_end(),
             };
             tally(&effects, &mut responded, &mut resumed);
@@ -505,13 +521,146 @@ fn random_event_sequences_keep_the_invariants() {
         let effects = s.on_stream_end();
         tally(&effects, &mut responded, &mut resumed);
         if !s.is_settled() {
-            // A begin still pending when the test stops: its answer would settle it.
-            let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t".into() }));
-            locks += 1;
-            tally(&effects, &mut responded, &mut resumed);
+            // A call still pending when the test stops: its answer settles it.
+            if matches!(s.state, State::Detached { .. }) {
+                let effects = s.on_upstream_answer(Ok(answer("201", None, b"")));
+                tally(&effects, &mut responded, &mut resumed);
+            } else {
+                let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t".into() }));
+                locks += 1;
+                tally(&effects, &mut responded, &mut resumed);
+            }
         }
         assert!(responded <= 1, "two local answers");
-        assert_eq!(locks, settled_locks, "every lock is committed or released exactly once");
+        assert_eq!(
+            locks, settled_locks,
+            "every lock is committed or released exactly once: {trace:?} {:?}",
+            s.state
+        );
         assert!(s.is_settled());
     }
+}
+
+const DETACHED: &str = r#","detached_execution":true,"store_key_header":"x-store-key""#;
+
+/// A detached stream that has taken the lock: returns the stream, the store key and the call.
+fn detached_locked() -> (Stream, String, UpstreamCall) {
+    let mut s = Stream::new(cfg(DETACHED));
+    let mut v = MockView::post(Some("k1"));
+    v.req("x-request-id", "rid-1").req("content-length", "2").req("x-store-key", "forged");
+    v.prop("xds.cluster_name", "app");
+    v.request_body = b"{}".to_vec();
+    let step = s.on_request_headers(&v, false);
+    let key = begin_call(&s.on_request_body(&v, 2, true).effects).0;
+    assert!(step.effects.contains(&Effect::SetRequestHeader("x-store-key".into(), key.clone())));
+    let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() }));
+    let [Effect::Upstream(call), Effect::Count(Metric::Executed), Effect::Count(Metric::Detached)] =
+        effects.as_slice()
+    else {
+        panic!("{effects:?}")
+    };
+    (s, key, call.clone())
+}
+
+fn answer(status: &str, content_type: Option<&str>, body: &[u8]) -> UpstreamAnswer {
+    let mut headers = vec![(":status".to_string(), status.as_bytes().to_vec())];
+    if let Some(ct) = content_type {
+        headers.push(("content-type".into(), ct.as_bytes().to_vec()));
+    }
+    headers.push(("location".into(), b"/orders/9".to_vec()));
+    UpstreamAnswer::decode(headers, body.to_vec()).unwrap()
+}
+
+#[test]
+fn detached_execution_sends_the_request_itself() {
+    let (s, key, call) = detached_locked();
+    assert_eq!(call.cluster, "app");
+    assert_eq!(call.body, b"{}");
+    assert_eq!(call.timeout_ms, 15_000);
+    let get =
+        |n: &str| call.headers.iter().filter(|(h, _)| h == n).map(|(_, v)| v.as_str()).collect::<Vec<_>>();
+    assert_eq!(get(":method"), ["POST"]);
+    assert_eq!(get(":path"), ["/orders?x=1"]);
+    assert_eq!(get("x-request-id"), ["rid-1"]);
+    assert_eq!(get("x-store-key"), [key.as_str()], "the client's value is replaced");
+    assert!(get("content-length").is_empty(), "framing is the callout's own");
+    assert!(!s.is_settled(), "the answer is still to come");
+}
+
+#[test]
+fn detached_answer_goes_to_the_client_and_the_store() {
+    let (mut s, key, _) = detached_locked();
+    let effects = s.on_upstream_answer(Ok(answer("201", Some("application/json"), b"{\"id\":9}")));
+    let [Effect::Respond(r), Effect::Store(StoreCall::Commit { key: k, record, .. })] = effects.as_slice()
+    else {
+        panic!("{effects:?}")
+    };
+    assert_eq!((r.status, r.body.as_slice()), (201, b"{\"id\":9}".as_slice()));
+    assert!(r.headers.contains(&("location".into(), "/orders/9".into())));
+    assert_eq!(k, &key);
+    let record = Record::decode(record).unwrap();
+    assert_eq!(record.status, 201);
+    assert!(s.is_settled());
+    // The local reply passes through the filter again: nothing happens.
+    let mut v = MockView::default();
+    v.resp(":status", "201").resp("content-type", "application/json");
+    assert_eq!(s.on_response_headers(&v, true), Step::go(vec![]));
+    assert_eq!(s.on_stream_end(), vec![]);
+}
+
+#[test]
+fn detached_answer_after_the_client_left_is_still_committed() {
+    let (mut s, _, _) = detached_locked();
+    assert_eq!(s.on_stream_end(), vec![], "the call goes on");
+    assert!(!s.is_settled());
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("application/json"), b"{}")));
+    assert!(matches!(
+        effects.as_slice(),
+        [Effect::Store(StoreCall::Commit { .. }), Effect::Count(Metric::CommittedAfterGone)]
+    ));
+    assert!(s.is_settled());
+}
+
+#[test]
+fn detached_failures_release_the_lock() {
+    let (mut s, key, _) = detached_locked();
+    let effects = s.on_upstream_answer(Ok(answer("500", Some("application/json"), b"{}")));
+    assert_eq!(respond_status(&effects), Some(500));
+    assert_eq!(effects[1..], release_of(&key)[..]);
+
+    let (mut s, key, _) = detached_locked();
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), b"hi")));
+    assert_eq!(respond_status(&effects), Some(200));
+    assert_eq!(effects[1..], release_of(&key)[..]);
+
+    let (mut s, key, _) = detached_locked();
+    let effects = s.on_upstream_answer(Err(StoreFault::Reset));
+    assert_eq!(respond_status(&effects), Some(502));
+    assert_eq!(effects[1..], release_of(&key)[..]);
+
+    let (mut s, key, _) = detached_locked();
+    s.on_stream_end();
+    assert_eq!(s.on_upstream_answer(Err(StoreFault::Reset)), release_of(&key));
+}
+
+#[test]
+fn without_a_cluster_the_request_is_routed_normally() {
+    let mut s = Stream::new(cfg(DETACHED));
+    s.on_request_headers(&MockView::post(Some("k")), true);
+    let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t".into() }));
+    assert_eq!(effects, vec![Effect::Resume, Effect::Count(Metric::Executed)]);
+}
+
+#[test]
+fn store_key_header_is_set_for_guarded_and_removed_from_other_requests() {
+    let mut s = Stream::new(cfg(DETACHED));
+    let mut v = MockView::post(None);
+    v.req("x-store-key", "forged");
+    let step = s.on_request_headers(&v, true);
+    assert_eq!(step.effects[0], Effect::RemoveRequestHeader("x-store-key".into()));
+    let mut s = Stream::new(cfg(DETACHED));
+    assert_eq!(
+        s.on_request_headers(&MockView::post(None), true).effects,
+        vec![Effect::Count(Metric::Passthrough)]
+    );
 }

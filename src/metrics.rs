@@ -30,10 +30,14 @@ pub enum Metric {
     CommitFailed,
     /// Any store call that failed, timed out or answered garbage.
     StoreErrors,
+    /// Executions the filter sent itself (`detached_execution`).
+    Detached,
+    /// Detached answers committed after the client had gone away.
+    CommittedAfterGone,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 13] = [
+    pub const ALL: [Metric; 15] = [
         Metric::Guarded,
         Metric::Replayed,
         Metric::Executed,
@@ -47,6 +51,8 @@ impl Metric {
         Metric::Released,
         Metric::CommitFailed,
         Metric::StoreErrors,
+        Metric::Detached,
+        Metric::CommittedAfterGone,
     ];
 
     pub fn name(self) -> &'static str {
@@ -64,6 +70,8 @@ impl Metric {
             Metric::Released => "idempotency.released",
             Metric::CommitFailed => "idempotency.commit_failed",
             Metric::StoreErrors => "idempotency.store_errors",
+            Metric::Detached => "idempotency.detached",
+            Metric::CommittedAfterGone => "idempotency.committed_after_gone",
         }
     }
 

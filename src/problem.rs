@@ -76,6 +76,15 @@ pub fn in_flight() -> LocalResponse {
     r
 }
 
+pub fn upstream_failed() -> LocalResponse {
+    problem(
+        502,
+        "upstream-failed",
+        "Upstream failed",
+        "The upstream reset or refused the request; retry with the same key.",
+    )
+}
+
 pub fn store_unavailable() -> LocalResponse {
     problem(
         503,
@@ -98,6 +107,7 @@ mod tests {
             (key_reused(), 422),
             (in_flight(), 409),
             (store_unavailable(), 503),
+            (upstream_failed(), 502),
         ] {
             assert_eq!(r.status, status);
             assert_eq!(r.headers[0], ("content-type".into(), "application/problem+json".into()));
