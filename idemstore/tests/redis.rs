@@ -195,14 +195,25 @@ async fn stored_layout_and_expiry() {
 }
 
 /// Redis down: every operation fails fast (503 upstream) instead of queueing behind
-/// reconnect retries; once Redis is back, the same backend recovers.
+/// reconnect retries; once Redis is back, the same backend recovers, its wake-up
+/// subscription included.
 #[tokio::test]
 async fn redis_outage_fails_fast_and_recovers() {
     let port = free_port();
     let redis = RedisServer::start_on(port).await;
     let store = redis.store();
     store.health().await.unwrap();
+    // The subscriber subscribes in the background: on a loaded machine it may not have done
+    // so yet, and a first subscription made only after the restart would never count as the
+    // second one awaited below. So the outage starts once it is subscribed...
+    common::listening(&store, 1).await;
+    let mut remote = store.remote_wakeups();
     drop(redis);
+    // ...and is noticed: connection closed, or at worst a PING unanswered (1 s + 2 s).
+    tokio::time::timeout(Duration::from_secs(10), remote.wait_for(|s| !s.listening))
+        .await
+        .expect("the subscriber did not notice that Redis went away")
+        .unwrap();
     for _ in 0..3 {
         let started = Instant::now();
         assert!(store.health().await.is_err());
@@ -212,7 +223,7 @@ async fn redis_outage_fails_fast_and_recovers() {
     }
     let _redis = RedisServer::start_on(port).await;
     common::begin_locks_then_replays(&store).await;
-    // The wake-up subscription came back too.
+    // The wake-up subscription came back too: a second subscription, on the new server.
     common::listening(&store, 2).await;
 }
 

@@ -228,7 +228,12 @@ pub async fn listening<B: Backend>(store: &Store<B>, subscriptions: u64) {
         remote.wait_for(|s| s.listening && s.subscriptions >= subscriptions),
     )
     .await
-    .expect("wake-up subscription not up in time")
+    .unwrap_or_else(|e| {
+        let now = *store.remote_wakeups().borrow();
+        panic!(
+            "wake-up subscription not up in time: {e:?}, now {now:?}, awaited {subscriptions} subscriptions"
+        )
+    })
     .unwrap();
 }
 
