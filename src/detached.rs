@@ -58,8 +58,10 @@ pub struct UpstreamAnswer {
 }
 
 impl UpstreamAnswer {
-    /// A callout answer; no headers means the upstream reset or refused the connection. An
-    /// expired timeout arrives as Envoy's own `504`, as the router would have answered.
+    /// A callout answer. Envoy answers a callout itself when the upstream does not: `504` for
+    /// the timeout, `503` for a reset or refused connection; only an answer that went through
+    /// the upstream carries `x-envoy-upstream-service-time`, which tells them apart from the
+    /// upstream's own 503 and 504. No headers at all is a reset too.
     pub fn decode(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Result<UpstreamAnswer, StoreFault> {
         if headers.is_empty() {
             return Err(StoreFault::Reset);
@@ -69,7 +71,12 @@ impl UpstreamAnswer {
             .find(|(n, _)| n == ":status")
             .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
             .ok_or(StoreFault::Garbage("no status"))?;
-        Ok(UpstreamAnswer { status, headers, body })
+        let from_upstream = headers.iter().any(|(n, _)| n == "x-envoy-upstream-service-time");
+        match status {
+            504 if !from_upstream => Err(StoreFault::Timeout),
+            503 if !from_upstream => Err(StoreFault::Reset),
+            _ => Ok(UpstreamAnswer { status, headers, body }),
+        }
     }
 
     pub fn header(&self, name: &str) -> Option<&[u8]> {
@@ -126,6 +133,10 @@ mod tests {
     #[test]
     fn answers() {
         assert_eq!(UpstreamAnswer::decode(vec![], vec![]), Err(StoreFault::Reset));
+        assert_eq!(UpstreamAnswer::decode(pairs(&[(":status", b"504")]), vec![]), Err(StoreFault::Timeout));
+        assert_eq!(UpstreamAnswer::decode(pairs(&[(":status", b"503")]), vec![]), Err(StoreFault::Reset));
+        let own = pairs(&[(":status", b"503"), ("x-envoy-upstream-service-time", b"3")]);
+        assert_eq!(UpstreamAnswer::decode(own, vec![]).map(|a| a.status), Ok(503), "the upstream's own 503");
         assert!(UpstreamAnswer::decode(pairs(&[("x", b"1")]), vec![]).is_err());
         let a = UpstreamAnswer::decode(
             pairs(&[

@@ -461,9 +461,13 @@ impl Stream {
         let mut effects = Vec::new();
         let answer = match answer {
             Ok(a) => a,
-            Err(_) => {
+            Err(fault) => {
                 if !gone {
-                    effects.push(Effect::Respond(problem::upstream_failed()));
+                    let problem = match fault {
+                        StoreFault::Timeout => problem::upstream_timeout(self.cfg.detached_timeout_ms),
+                        _ => problem::upstream_failed(),
+                    };
+                    effects.push(Effect::Respond(problem));
                 }
                 effects.extend(release(key, token));
                 return effects;

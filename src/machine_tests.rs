@@ -639,6 +639,11 @@ fn detached_failures_release_the_lock() {
     assert_eq!(effects[1..], release_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
+    let effects = s.on_upstream_answer(Err(StoreFault::Timeout));
+    assert_eq!(respond_status(&effects), Some(504));
+    assert_eq!(effects[1..], release_of(&key)[..]);
+
+    let (mut s, key, _) = detached_locked();
     s.on_stream_end();
     assert_eq!(s.on_upstream_answer(Err(StoreFault::Reset)), release_of(&key));
 }

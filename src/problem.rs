@@ -85,6 +85,15 @@ pub fn upstream_failed() -> LocalResponse {
     )
 }
 
+pub fn upstream_timeout(timeout_ms: u64) -> LocalResponse {
+    problem(
+        504,
+        "upstream-timeout",
+        "Upstream timed out",
+        &format!("The upstream did not answer within {timeout_ms} ms; retry with the same key."),
+    )
+}
+
 pub fn store_unavailable() -> LocalResponse {
     problem(
         503,
@@ -108,6 +117,7 @@ mod tests {
             (in_flight(), 409),
             (store_unavailable(), 503),
             (upstream_failed(), 502),
+            (upstream_timeout(5), 504),
         ] {
             assert_eq!(r.status, status);
             assert_eq!(r.headers[0], ("content-type".into(), "application/problem+json".into()));

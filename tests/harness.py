@@ -355,6 +355,9 @@ def listener(name: str, port: int, http_filters: list[dict], routes: list[dict] 
                     "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                     "stat_prefix": name,
                     "codec_type": "AUTO",
+                    # An edge proxy: the client's address is the connection's, never a header
+                    # the client sent (the default subject, anon:<ip>, depends on it).
+                    "use_remote_address": True,
                     "route_config": {
                         "name": f"{name}_routes",
                         "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes or DEFAULT_ROUTES}],
@@ -562,6 +565,7 @@ def request(port: int, method: str, path: str, body: bytes | str | list[bytes] |
             timeout: float = 30.0, host: str = LOOPBACK) -> Response:
     """One request on a fresh connection, headers sent exactly as given (duplicates, raw bytes).
 
+    A `host` header among `headers` replaces the default `host: <host>:<port>`.
     `source` binds the client socket to that local address (e.g. "127.0.0.2"). A list body is
     sent with `transfer-encoding: chunked`, one chunk per item.
     """
@@ -582,7 +586,8 @@ def request(port: int, method: str, path: str, body: bytes | str | list[bytes] |
         # it does not (curl, urllib3, Go and Java set it).
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-        conn.putheader("host", f"{host}:{port}")
+        if not any(n.lower() == "host" for n, _ in headers):
+            conn.putheader("host", f"{host}:{port}")
         for name, value in headers:
             conn.putheader(name, value)
         if body is not None and not any(n.lower() == "content-length" for n, _ in headers):
@@ -603,6 +608,7 @@ def request(port: int, method: str, path: str, body: bytes | str | list[bytes] |
 def _request_chunked(port, method, path, chunks, headers, source, timeout, host) -> Response:
     if isinstance(headers, dict):
         headers = list(headers.items())
+    headers = list(headers or [])
     conn = http.client.HTTPConnection(host, port, timeout=timeout,
                                       source_address=(source, 0) if source else None)
     t0 = time.monotonic()
@@ -613,8 +619,9 @@ def _request_chunked(port, method, path, chunks, headers, source, timeout, host)
         # it does not (curl, urllib3, Go and Java set it).
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-        conn.putheader("host", f"{host}:{port}")
-        for name, value in headers or []:
+        if not any(n.lower() == "host" for n, _ in headers):
+            conn.putheader("host", f"{host}:{port}")
+        for name, value in headers:
             conn.putheader(name, value)
         conn.putheader("transfer-encoding", "chunked")
         conn.endheaders(iter(chunks), encode_chunked=True)
@@ -648,8 +655,11 @@ class Upstream:
         return self._get("/__counts", key=key, path=path, method=method, key_prefix=key_prefix)["count"]
 
     def executions(self, key: str | None = None, path: str | None = None,
-                   key_prefix: str | None = None) -> list[dict]:
-        return self._get("/__executions", key=key, path=path, key_prefix=key_prefix)["executions"]
+                   key_prefix: str | None = None, headers: bool = False) -> list[dict]:
+        """Executions matching the filters; `headers=True` adds each one's received request
+        headers (`[name, value]` pairs, names lower-cased, in order) and HTTP `version`."""
+        return self._get("/__executions", key=key, path=path, key_prefix=key_prefix,
+                         headers="1" if headers else None)["executions"]
 
     def reset(self) -> None:
         conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=5)

@@ -18,6 +18,20 @@ INVALID = {
     "missing_store_cluster": ({}, ["store_cluster"]),
     "bad_failure_mode": ({"store_cluster": "idemstore", "failure_mode": "sideways"}, ["failure_mode"]),
     "not_json": ("{store_cluster: idemstore", []),
+    # detached_timeout_ms is 1 .. lock_ttl_ms (a detached call must not outlive its lock)
+    "detached_timeout_above_lock_ttl": ({"store_cluster": "idemstore", "detached_execution": True,
+                                         "lock_ttl_ms": 1000, "detached_timeout_ms": 1001},
+                                        ["detached_timeout_ms"]),
+    "detached_timeout_above_default_lock_ttl": ({"store_cluster": "idemstore", "detached_timeout_ms": 30001},
+                                                ["detached_timeout_ms"]),
+    "detached_timeout_zero": ({"store_cluster": "idemstore", "detached_timeout_ms": 0}, ["detached_timeout_ms"]),
+    "detached_execution_wrong_type": ({"store_cluster": "idemstore", "detached_execution": "yes"},
+                                      ["detached_execution"]),
+    "store_key_header_wrong_type": ({"store_cluster": "idemstore", "store_key_header": 5}, ["store_key_header"]),
+    "store_key_header_not_a_name": ({"store_cluster": "idemstore", "store_key_header": "x key"},
+                                    ["store_key_header"]),
+    "store_key_header_is_the_key_header": ({"store_cluster": "idemstore", "store_key_header": "idempotency-key"},
+                                           ["store_key_header"]),
 }
 
 READY_DEADLINE = 15.0
@@ -68,6 +82,23 @@ def test_valid_config_starts(run_dir, artifacts, upstream):
     config = h.envoy_config(admin, [h.listener("default", port, [h.wasm_filter(cfg, artifacts["wasm"])])],
                             upstream.port, h.free_port())
     proc = h.launch_envoy(run_dir / "config", "envoy-valid", config)
+    try:
+        h.wait_for(lambda: ready(admin), "envoy ready", proc, timeout=READY_DEADLINE)
+        resp = h.request(port, "GET", "/orders")
+        assert resp.status == 201, resp
+    finally:
+        proc.stop()
+
+
+def test_valid_detached_config_starts(run_dir, artifacts, upstream):
+    """The boundary: detached_timeout_ms equal to lock_ttl_ms is accepted."""
+    admin = h.free_port()
+    port = h.free_port()
+    cfg = {"store_cluster": "idemstore", "lock_ttl_ms": 1000, "detached_execution": True,
+           "detached_timeout_ms": 1000, "store_key_header": "x-idempotency-store-key"}
+    config = h.envoy_config(admin, [h.listener("default", port, [h.wasm_filter(cfg, artifacts["wasm"])])],
+                            upstream.port, h.free_port())
+    proc = h.launch_envoy(run_dir / "config", "envoy-valid-detached", config)
     try:
         h.wait_for(lambda: ready(admin), "envoy ready", proc, timeout=READY_DEADLINE)
         resp = h.request(port, "GET", "/orders")

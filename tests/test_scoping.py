@@ -23,6 +23,17 @@ def test_two_client_ips_are_two_callers(stack):
     assert stack.upstream.count(key=key) == 2
 
 
+def test_forged_forwarded_for_does_not_change_the_caller(stack):
+    """The default subject is the connection's address: an X-Forwarded-For header the client
+    sends can neither borrow another caller's records nor escape its own."""
+    key = new_key()
+    a = stack.post("/orders", "{}", key, headers=[("x-forwarded-for", "203.0.113.7")])
+    assert_executed(a, 201)
+    assert_replay_of(stack.post("/orders", "{}", key, headers=[("x-forwarded-for", "198.51.100.9")]), a)
+    assert_replay_of(stack.post("/orders", "{}", key), a)
+    assert stack.upstream.count(key=key) == 1
+
+
 def test_subject_header_separates_callers(stack):
     key = new_key()
     alice = stack.post("/orders", "{}", key, listener="subject_header", headers=[("x-user", "alice")])

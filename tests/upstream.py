@@ -9,7 +9,9 @@ with its method, path (query string included), the value of its ``Idempotency-Ke
   matching every given filter (``path`` matches the path without its query string unless the
   filter itself has a ``?``; ``key_prefix`` matches keys starting with it); without filters ->
   ``{"count": total, "executions": [...]}``.
-* ``GET /__executions?key=K`` -> ``{"executions": [...]}`` (the same filters).
+* ``GET /__executions?key=K`` -> ``{"executions": [...]}`` (the same filters); with
+  ``headers=1`` each execution also has ``headers``: the request headers as received, in order,
+  as ``[name, value]`` pairs (names lower-cased), and ``version``, the request's HTTP version.
 * ``POST /__reset`` forgets everything.
 
 How an execution answers is chosen per request by headers, so each test picks its own:
@@ -19,6 +21,8 @@ How an execution answers is chosen per request by headers, so each test picks it
 * ``x-test-content-type``: response content type (default ``application/json``).
 * ``x-test-body``: the response body, verbatim, instead of the default JSON document.
 * ``x-test-body-bytes``: pad the default JSON document to exactly this many bytes.
+* ``x-test-reset``: record the execution, then close the connection with a TCP reset instead
+  of answering.
 
 The default body is JSON with a fresh per-execution id (``thing_000001``, ...), the method,
 path, key, and the request body (as text when short, else its length and SHA-256), plus a
@@ -31,6 +35,7 @@ import argparse
 import hashlib
 import json
 import socket
+import struct
 import sys
 import threading
 import time
@@ -46,7 +51,8 @@ class State:
         self.seq = 0
         self.executions: list[dict] = []
 
-    def record(self, method: str, path: str, key: str, body: bytes) -> dict:
+    def record(self, method: str, path: str, key: str, body: bytes,
+               headers: list[list[str]] | None = None, version: str = "") -> dict:
         with self.lock:
             self.seq += 1
             ex = {
@@ -56,7 +62,10 @@ class State:
                 "path": path,
                 "key": key,
                 "body_len": len(body),
+                "body_sha256": hashlib.sha256(body).hexdigest(),
                 "at": time.time(),
+                "headers": headers or [],
+                "version": version,
             }
             self.executions.append(ex)
             return dict(ex)
@@ -76,8 +85,17 @@ class State:
                     return False
             return True
 
+        with_headers = query.get("headers", ["0"])[0] == "1"
+
+        def out(ex: dict) -> dict:
+            d = dict(ex)
+            if not with_headers:
+                d.pop("headers", None)
+                d.pop("version", None)
+            return d
+
         with self.lock:
-            return [dict(ex) for ex in self.executions if match(ex)]
+            return [out(ex) for ex in self.executions if match(ex)]
 
     def reset(self) -> None:
         with self.lock:
@@ -166,7 +184,15 @@ class Handler(BaseHTTPRequestHandler):
             self.control(body)
             return
         key = self.headers.get("idempotency-key", "")
-        ex = STATE.record(self.command, self.path, key, body)
+        received = [[name.lower(), value] for name, value in self.headers.items()]
+        ex = STATE.record(self.command, self.path, key, body, received, self.request_version)
+
+        if self.headers.get("x-test-reset"):
+            # SO_LINGER 0: close() sends RST, not FIN, and nothing was answered.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
+            return
 
         sleep_ms = int(self.headers.get("x-test-sleep-ms") or 0)
         if sleep_ms > 0:

@@ -6,13 +6,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use clap::Parser;
 use idemstore::backend::memory::MemoryBackend;
 use idemstore::backend::redis::RedisBackend;
 use idemstore::backend::Backend;
 use idemstore::http;
 use idemstore::store::Store;
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
