@@ -233,6 +233,43 @@ def await_ready(proc: Proc, check, what: str, timeout: float = 20.0):
         raise
 
 
+def poll_until(read, at_least: int, timeout: float, interval: float = 0.02) -> int:
+    """Polls `read()` until it returns at least `at_least` or `timeout` passes; returns the last value
+    (commits, and so their counters, land after the responses)."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while value < at_least and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = read()
+    return value
+
+
+def in_thread(fn, delay: float = 0.0):
+    """Runs fn() in a daemon thread after `delay` seconds; returns (thread, out) with out["resp"]
+    or out["error"], for `joined`."""
+    out: dict = {}
+
+    def run():
+        time.sleep(delay)
+        try:
+            out["resp"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by joined()
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def joined(t: threading.Thread, out: dict, timeout: float = 30.0):
+    """The result of an `in_thread` call, re-raising its exception."""
+    t.join(timeout)
+    assert not t.is_alive(), "request thread still running"
+    if "error" in out:
+        raise out["error"]
+    return out["resp"]
+
+
 def tcp_accepts(port: int, host: str = LOOPBACK) -> bool:
     with socket.create_connection((host, port), timeout=0.5):
         return True
@@ -457,12 +494,7 @@ class Envoy:
 
     def wait_counter(self, name: str, at_least: int, timeout: float = 5.0) -> int:
         """Polls `counter(name)` until it reaches `at_least` or `timeout` passes; returns the last value."""
-        deadline = time.monotonic() + timeout
-        value = self.counter(name)
-        while value < at_least and time.monotonic() < deadline:
-            time.sleep(0.02)
-            value = self.counter(name)
-        return value
+        return poll_until(lambda: self.counter(name), at_least, timeout)
 
     def log_text(self) -> str:
         return self.proc.log_text()
@@ -560,6 +592,27 @@ class Response:
         return f"Response({self.status}, headers={self.headers!r}, body={body!r}{'...' if len(self.body) > 300 else ''})"
 
 
+def _start_request(port, method, path, headers, source, timeout, host) -> http.client.HTTPConnection:
+    """A fresh connection with the request line and `headers` sent, the body still to come."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout,
+                                      source_address=(source, 0) if source else None)
+    try:
+        conn.connect()
+        # http.client writes the headers and the body separately: without TCP_NODELAY the body
+        # can wait for the proxy's delayed ACK (about 40 ms), as with most HTTP clients' defaults
+        # it does not (curl, urllib3, Go and Java set it).
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        if not any(n.lower() == "host" for n, _ in headers):
+            conn.putheader("host", f"{host}:{port}")
+        for name, value in headers:
+            conn.putheader(name, value)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 def request(port: int, method: str, path: str, body: bytes | str | list[bytes] | None = b"",
             headers: list[tuple[str, str | bytes]] | dict | None = None, source: str | None = None,
             timeout: float = 30.0, host: str = LOOPBACK) -> Response:
@@ -576,20 +629,9 @@ def request(port: int, method: str, path: str, body: bytes | str | list[bytes] |
     if isinstance(headers, dict):
         headers = list(headers.items())
     headers = list(headers or [])
-    conn = http.client.HTTPConnection(host, port, timeout=timeout,
-                                      source_address=(source, 0) if source else None)
     t0 = time.monotonic()
+    conn = _start_request(port, method, path, headers, source, timeout, host)
     try:
-        conn.connect()
-        # http.client writes the headers and the body separately: without TCP_NODELAY the body
-        # can wait for the proxy's delayed ACK (about 40 ms), as with most HTTP clients' defaults
-        # it does not (curl, urllib3, Go and Java set it).
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-        if not any(n.lower() == "host" for n, _ in headers):
-            conn.putheader("host", f"{host}:{port}")
-        for name, value in headers:
-            conn.putheader(name, value)
         if body is not None and not any(n.lower() == "content-length" for n, _ in headers):
             conn.putheader("content-length", str(len(body)))
         try:
@@ -609,20 +651,9 @@ def _request_chunked(port, method, path, chunks, headers, source, timeout, host)
     if isinstance(headers, dict):
         headers = list(headers.items())
     headers = list(headers or [])
-    conn = http.client.HTTPConnection(host, port, timeout=timeout,
-                                      source_address=(source, 0) if source else None)
     t0 = time.monotonic()
+    conn = _start_request(port, method, path, headers, source, timeout, host)
     try:
-        conn.connect()
-        # http.client writes the headers and the body separately: without TCP_NODELAY the body
-        # can wait for the proxy's delayed ACK (about 40 ms), as with most HTTP clients' defaults
-        # it does not (curl, urllib3, Go and Java set it).
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
-        if not any(n.lower() == "host" for n, _ in headers):
-            conn.putheader("host", f"{host}:{port}")
-        for name, value in headers:
-            conn.putheader(name, value)
         conn.putheader("transfer-encoding", "chunked")
         conn.endheaders(iter(chunks), encode_chunked=True)
         resp = conn.getresponse()

@@ -6,29 +6,8 @@ import threading
 import time
 
 from checks import assert_executed, assert_problem, assert_replay_of
+import harness as h
 from harness import new_key
-
-
-def send_later(fn, delay: float):
-    """Run fn() in a thread after `delay` seconds; returns (thread, result dict)."""
-    out: dict = {}
-
-    def run():
-        time.sleep(delay)
-        try:
-            out["resp"] = fn()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
-def result(out: dict):
-    if "error" in out:
-        raise out["error"]
-    return out["resp"]
 
 
 def wait_executing(stack, key: str, timeout: float = 5.0) -> None:
@@ -42,12 +21,10 @@ def wait_executing(stack, key: str, timeout: float = 5.0) -> None:
 def test_duplicate_in_flight_waits_and_replays(stack):
     key = new_key()
     hdrs = [("x-test-sleep-ms", "1000")]
-    t1, o1 = send_later(lambda: stack.post("/orders", "{}", key, headers=hdrs), 0)
+    t1, o1 = h.in_thread(lambda: stack.post("/orders", "{}", key, headers=hdrs))
     wait_executing(stack, key)
-    t2, o2 = send_later(lambda: stack.post("/orders", "{}", key, headers=hdrs), 0.2)
-    t1.join(30)
-    t2.join(30)
-    original, duplicate = result(o1), result(o2)
+    t2, o2 = h.in_thread(lambda: stack.post("/orders", "{}", key, headers=hdrs), delay=0.2)
+    original, duplicate = h.joined(t1, o1), h.joined(t2, o2)
     assert_executed(original, 201)
     assert_replay_of(duplicate, original)
     # It waited for the original rather than failing fast or running again.
@@ -59,16 +36,14 @@ def test_duplicate_in_flight_past_lock_wait_is_409(stack):
     key = new_key()
     hdrs = [("x-test-sleep-ms", "2500")]
     before = stack.counter("conflicted")
-    t1, o1 = send_later(lambda: stack.post("/orders", "{}", key, listener="short", headers=hdrs), 0)
+    t1, o1 = h.in_thread(lambda: stack.post("/orders", "{}", key, listener="short", headers=hdrs))
     wait_executing(stack, key)
-    t2, o2 = send_later(lambda: stack.post("/orders", "{}", key, listener="short", headers=hdrs), 0.2)
-    t2.join(30)
-    duplicate = result(o2)
+    t2, o2 = h.in_thread(lambda: stack.post("/orders", "{}", key, listener="short", headers=hdrs), delay=0.2)
+    duplicate = h.joined(t2, o2)
     assert_problem(duplicate, 409, raw_key=key)
     # lock_wait_ms is 1000 on this listener
     assert 0.8 <= duplicate.elapsed <= 2.2, duplicate.elapsed
-    t1.join(30)
-    original = result(o1)
+    original = h.joined(t1, o1)
     assert_executed(original, 201)
     assert stack.upstream.count(key=key) == 1
     assert stack.counter("conflicted") == before + 1
@@ -98,11 +73,10 @@ def test_many_simultaneous_duplicates_execute_once(stack):
         barrier.wait(5)
         return stack.post("/orders", '{"item":"x"}', key, headers=hdrs)
 
-    runs = [send_later(one, 0) for _ in range(8)]
+    runs = [h.in_thread(one) for _ in range(8)]
     resps = []
     for t, out in runs:
-        t.join(30)
-        resps.append(result(out))
+        resps.append(h.joined(t, out))
     assert stack.upstream.count(key=key) == 1
     originals = [r for r in resps if r.header("x-idempotent-replay") is None]
     assert len(originals) == 1, resps

@@ -8,11 +8,11 @@ the client's path; lock expiry and orphaned locks.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import burst
 from checks import assert_executed, assert_problem, assert_replay_of
+import harness as h
 from harness import new_key
 
 KEYS = 200
@@ -35,12 +35,7 @@ def totals(rs) -> dict[str, int]:
 
 def wait_totals(rs, name: str, at_least: int, timeout: float = 10.0) -> int:
     """Commits land after the responses: poll the summed counter."""
-    deadline = time.monotonic() + timeout
-    value = rs.counter_total(name)
-    while value < at_least and time.monotonic() < deadline:
-        time.sleep(0.05)
-        value = rs.counter_total(name)
-    return value
+    return h.poll_until(lambda: rs.counter_total(name), at_least, timeout, interval=0.05)
 
 
 def fire(rs, upstream, spec: burst.BurstSpec, run_dir, label: str, allow_conflict: bool = False):
@@ -50,29 +45,6 @@ def fire(rs, upstream, spec: burst.BurstSpec, run_dir, label: str, allow_conflic
     with open(run_dir / "bursts.txt", "a") as f:
         f.write(f"{label}: {check.summary()}\n")
     return run, check
-
-
-def in_thread(fn):
-    """Runs fn() in a daemon thread; returns (thread, out) with out["resp"] or out["error"]."""
-    out: dict = {}
-
-    def run():
-        try:
-            out["resp"] = fn()
-        except BaseException as e:  # noqa: BLE001 - inspected by the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
-def joined(t: threading.Thread, out: dict, timeout: float = 30.0):
-    t.join(timeout)
-    assert not t.is_alive(), "request thread still running"
-    if "error" in out:
-        raise out["error"]
-    return out["resp"]
 
 
 def wait_executing(upstream, key: str, count: int = 1, timeout: float = 5.0) -> float:
@@ -270,14 +242,14 @@ def test_expired_lock_first_record_wins(replica_set, upstream):
     key = new_key("expiry")
     body = '{"item":"slow"}'
     slow = [("x-test-sleep-ms", "2500")]
-    ta, oa = in_thread(lambda: rs.post(0, "/orders", body, key, headers=slow))
+    ta, oa = h.in_thread(lambda: rs.post(0, "/orders", body, key, headers=slow))
     t_exec = wait_executing(upstream, key)  # A holds the lock since before this
     sleep_until(t_exec + 1.3)               # past A's lock TTL (1 s)
-    tb, ob = in_thread(lambda: rs.post(1, "/orders", body, key, headers=slow))
+    tb, ob = h.in_thread(lambda: rs.post(1, "/orders", body, key, headers=slow))
     wait_executing(upstream, key, 2)
-    a = joined(ta, oa)
+    a = h.joined(ta, oa)
     t_a = time.monotonic()
-    b = joined(tb, ob)
+    b = h.joined(tb, ob)
     t_b = time.monotonic()
     assert upstream.count(key=key) == 2
     assert_executed(a, 201)
@@ -306,7 +278,7 @@ def test_orphaned_lock_after_envoy_killed(replica_set, upstream):
                      plugin={"lock_ttl_ms": int(ttl * 1000), "lock_wait_ms": 300})
     key = new_key("orphan")
     body = '{"item":"orphan"}'
-    t, out = in_thread(lambda: rs.post(0, "/orders", body, key, headers=[("x-test-sleep-ms", "4000")]))
+    t, out = h.in_thread(lambda: rs.post(0, "/orders", body, key, headers=[("x-test-sleep-ms", "4000")]))
     t_exec = wait_executing(upstream, key)  # the lock was taken before this
     rs.envoys[0].proc.kill()
     t.join(10)
