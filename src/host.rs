@@ -46,7 +46,8 @@ struct Shared {
 
 struct Entry {
     stream: Stream,
-    /// Envoy has destroyed the stream; the entry lives on only until its `begin` answers.
+    /// Envoy has destroyed the stream; the entry lives on only until its pending call (a
+    /// `begin`, or a detached execution) answers.
     gone: bool,
 }
 
