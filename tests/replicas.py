@@ -30,6 +30,7 @@ from pathlib import Path
 
 import harness as h
 from checks import PANIC
+import redis_cluster
 
 LISTENER = "idem"
 STORE_CLUSTER = "idemstore"
@@ -56,6 +57,7 @@ class ReplicaSet:
     redis: h.Proc | None = None
     redis_port: int | None = None
     proxy: h.Envoy | None = None  # the store-path delaying proxy, when asked for
+    cluster: redis_cluster.RedisCluster | None = None  # backend "cluster"
 
     # --- addressing ---------------------------------------------------------------------
 
@@ -114,6 +116,8 @@ class ReplicaSet:
         procs += [p for p, _ in self.stores]
         if self.redis is not None:
             procs.append(self.redis)
+        if self.cluster is not None:
+            procs += self.cluster.procs()
         return procs
 
     def panics(self) -> list[str]:
@@ -181,6 +185,8 @@ def start_replica_set(run_dir: Path, upstream_port: int, *, envoys: int = 3, sto
     """Start Redis (backend "redis"), `stores` idemstores, optionally the delaying proxy, and
     `envoys` filter Envoys (plugin config `plugin` over {"store_cluster": "idemstore"}).
 
+    backend "cluster" starts a 6-node Redis Cluster (3 masters, 3 replicas; `rs.cluster`) and
+    gives every idemstore all six nodes as `--redis-cluster` seeds.
     backend "memory" means in-memory idemstores: each keeps its own state, so only `stores=1`
     gives the guarantee (the function does not refuse more: a test may want to show why).
     `store_cluster` is merged into the filter Envoys' `idemstore` cluster (e.g.
@@ -188,7 +194,7 @@ def start_replica_set(run_dir: Path, upstream_port: int, *, envoys: int = 3, sto
     Processes of one kind start together and are then awaited; on any failure everything
     started so far is stopped before the error is raised.
     """
-    if backend not in ("redis", "memory"):
+    if backend not in ("redis", "memory", "cluster"):
         raise ValueError(f"unknown backend {backend!r}")
     wasm = wasm or h.wasm_path()
     rs = ReplicaSet(name, run_dir, backend, plugin_config(plugin), upstream_port)
@@ -197,7 +203,12 @@ def start_replica_set(run_dir: Path, upstream_port: int, *, envoys: int = 3, sto
         if backend == "redis":
             rs.redis, rs.redis_port = h.start_redis(run_dir)
             redis_url = f"redis://{h.LOOPBACK}:{rs.redis_port}"
-        rs.stores = [h.spawn_idemstore(run_dir, redis_url, name=f"idemstore-{i}") for i in range(stores)]
+        if backend == "cluster":
+            rs.cluster = redis_cluster.start_cluster(run_dir / "cluster")
+            rs.stores = [redis_cluster.spawn_idemstore(run_dir, rs.cluster.urls(), name=f"idemstore-{i}")
+                         for i in range(stores)]
+        else:
+            rs.stores = [h.spawn_idemstore(run_dir, redis_url, name=f"idemstore-{i}") for i in range(stores)]
         for proc, port in rs.stores:
             h.await_idemstore(proc, port)
         store_targets = rs.store_ports
