@@ -106,8 +106,11 @@ bench: build envoy
 
 ## ---- local stack ---------------------------------------------------------------------------
 
+# `REDIS=1 make run` also starts redis-server with envoy/redis.conf (AOF in target/redis) and
+# puts idemstore on it; `REDIS_URL=redis://host:port make run` uses a Redis you run.
 run: build envoy
-	ENVOY_BIN="$(ENVOY_BIN)" IDEMSTORE_BIN="$(IDEMSTORE)" PYTHON="$(PYTHON)" exec bash demo/run.sh
+	ENVOY_BIN="$(ENVOY_BIN)" IDEMSTORE_BIN="$(IDEMSTORE)" PYTHON="$(PYTHON)" REDIS="$(REDIS)" \
+	  exec bash demo/run.sh
 
 clean:
 	$(CARGO) clean

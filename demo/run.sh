@@ -2,8 +2,10 @@
 # Starts the local stack in the foreground (what `make run` calls, from the repository root):
 #   demo orders app   127.0.0.1:8081
 #   idemstore         127.0.0.1:8380   (in-memory, or Redis when REDIS_URL=redis://... is set)
+#   redis-server      127.0.0.1:6379   only with REDIS=1: envoy/redis.conf (append-only file in
+#                                      target/redis), and idemstore on it
 #   Envoy             127.0.0.1:10000  (admin 127.0.0.1:9901), config envoy/envoy.yaml
-# Ctrl-C (or any of the three exiting) stops all three, by PID.
+# Ctrl-C (or any of them exiting) stops all of them, by PID.
 set -euo pipefail
 
 ENVOY_BIN=${ENVOY_BIN:?set ENVOY_BIN (make run does)}
@@ -54,12 +56,36 @@ PY
 "$PYTHON" -u demo/orders_app.py --port "$APP_PORT" > >(sed -u 's/^/[app] /') 2>&1 &
 pids+=($!)
 
+wait_redis() { # port
+  for _ in $(seq 100); do
+    if "$PYTHON" - "$1" <<'PY' 2>/dev/null; then return 0; fi
+import socket, sys
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=0.5) as s:
+    s.sendall(b"PING\r\n")
+    sys.exit(0 if s.recv(64).startswith(b"+PONG") else 1)
+PY
+    sleep 0.1
+  done
+  echo "run: redis-server did not come up on port $1" >&2
+  return 1
+}
+
+if [[ "${REDIS:-}" == 1 && -z "${REDIS_URL:-}" ]]; then
+  REDIS_SERVER=${REDIS_SERVER:-redis-server}
+  command -v "$REDIS_SERVER" >/dev/null || { echo "run: REDIS=1 needs redis-server on the PATH" >&2; exit 1; }
+  mkdir -p target/redis
+  "$REDIS_SERVER" envoy/redis.conf --dir target/redis > >(sed -u 's/^/[redis] /') 2>&1 &
+  pids+=($!)
+  wait_redis 6379
+  REDIS_URL=redis://127.0.0.1:6379
+fi
+
 store_args=(--listen "$STORE_ADDR")
 if [[ -n "${REDIS_URL:-}" ]]; then
   store_args+=(--redis "$REDIS_URL")
   echo "run: idemstore on Redis at $REDIS_URL"
 else
-  echo "run: idemstore in memory (set REDIS_URL=redis://host:port to use Redis)"
+  echo "run: idemstore in memory (REDIS=1 starts a local Redis with envoy/redis.conf; REDIS_URL=redis://host:port uses yours)"
 fi
 "$IDEMSTORE_BIN" "${store_args[@]}" > >(sed -u 's/^/[idemstore] /') 2>&1 &
 pids+=($!)
@@ -82,7 +108,7 @@ Ctrl-C stops everything.
 
 EOF
 
-# Any of the three ending ends the stack.
+# Any of them ending ends the stack.
 set +e
 wait -n "${pids[@]}"
 rc=$?

@@ -432,8 +432,33 @@ def static_cluster(name: str, port: int | list[int], http2: bool = False, connec
     return c
 
 
-def store_cluster(ports: int | list[int], name: str = "idemstore") -> dict:
-    """The filter's store cluster as envoy/envoy.yaml ships it: h2c, limits sized for bursts."""
+def store_health_check() -> dict:
+    """The active health check envoy/envoy.yaml puts on its `idemstore` cluster (test_drills.py
+    checks that the two agree): GET /healthz every second (every 250 ms while unhealthy),
+    unhealthy after two failures (a 503 too: idemstore's answer when its Redis is down), healthy
+    again after one success."""
+    return {
+        "timeout": "0.5s",
+        "interval": "1s",
+        "unhealthy_interval": "0.25s",
+        "no_traffic_interval": "1s",
+        "unhealthy_threshold": 2,
+        "healthy_threshold": 1,
+        "http_health_check": {
+            "path": "/healthz",
+            "codec_client_type": "HTTP2",
+            "retriable_statuses": [{"start": 503, "end": 504}],
+        },
+    }
+
+
+def store_cluster(ports: int | list[int], name: str = "idemstore", health_check: bool = False) -> dict:
+    """The filter's store cluster as envoy/envoy.yaml ships it: h2c, limits sized for bursts.
+    `health_check=True` adds the shipped active health check, panic threshold 0 (with no
+    healthy idemstore, store calls fail at once and the filter fails open, instead of going to
+    an idemstore that is known to be broken) and no update merge window (a health change
+    reaches the workers at once, not up to 1 s later); off by default, as the suite ran before
+    it."""
     c = static_cluster(name, ports, http2=True, connect_timeout="0.25s")
     opts = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     opts["explicit_http_config"]["http2_protocol_options"] = {"max_concurrent_streams": 100}
@@ -441,6 +466,9 @@ def store_cluster(ports: int | list[int], name: str = "idemstore") -> dict:
         "priority": "DEFAULT", "max_connections": 1000,
         "max_pending_requests": 100000, "max_requests": 100000,
     }]}
+    if health_check:
+        c["health_checks"] = [store_health_check()]
+        c["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}, "update_merge_window": "0s"}
     return c
 
 
@@ -535,6 +563,14 @@ def spawn_envoy(run_dir: Path, name: str, listener_filters: dict[str, list[dict]
     if config_hook is not None:
         config_hook(config)
     return spawn_envoy_config(run_dir, name, config, admin_port, ports, log_level, concurrency)
+
+
+def launch_envoy_file(run_dir: Path, name: str, path: Path, log_level: str = "info",
+                      concurrency: int = 2) -> Proc:
+    """Launch an Envoy from a config file as it is (e.g. a shipped YAML with its ports rewritten)."""
+    argv = [envoy_bin(), "-c", str(path), "--base-id", str(next(_BASE_IDS)), "--disable-hot-restart",
+            "--concurrency", str(concurrency), "-l", log_level]
+    return start(name, argv, run_dir)
 
 
 def spawn_envoy_config(run_dir: Path, name: str, config: dict, admin_port: int, ports: dict[str, int],

@@ -152,9 +152,32 @@ impl<C> RedisBackend<C> {
     }
 }
 
+/// How `/healthz` asks Redis whether it answers.
+pub trait Ping {
+    fn ping(&mut self) -> impl std::future::Future<Output = RedisResult<()>> + Send;
+}
+
+impl Ping for ConnectionManager {
+    async fn ping(&mut self) -> RedisResult<()> {
+        ::redis::cmd("PING").query_async::<String>(self).await.map(|_| ())
+    }
+}
+
+impl Ping for ClusterConnection {
+    /// One node, not all: a plain cluster PING needs every primary, so one dead master (whose
+    /// slots fail over in seconds) would make an Envoy health check drop this idemstore and
+    /// degrade every key instead of a third of them.
+    async fn ping(&mut self) -> RedisResult<()> {
+        use ::redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        self.route_command(::redis::cmd("PING"), RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random))
+            .await
+            .map(|_| ())
+    }
+}
+
 impl<C> Backend for RedisBackend<C>
 where
-    C: ConnectionLike + Clone + Send + Sync + 'static,
+    C: ConnectionLike + Ping + Clone + Send + Sync + 'static,
 {
     async fn try_begin(
         &self,
@@ -192,9 +215,8 @@ where
     }
 
     async fn health(&self) -> Result<()> {
-        let ping = ::redis::cmd("PING");
-        let _: String = self.bounded(ping.query_async(&mut self.conn.clone())).await?;
-        Ok(())
+        let mut conn = self.conn.clone();
+        self.bounded(conn.ping()).await
     }
 
     fn spawn_remote_wakeups(
