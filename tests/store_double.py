@@ -33,7 +33,8 @@ import struct
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import testserver
 
 OUTCOME = "x-idem-outcome"
 TOKEN = "x-idem-token"
@@ -144,19 +145,8 @@ class Mode:
 MODE = Mode()
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(testserver.Handler):
     server_version = "store-double/1"
-    quiet = False
-
-    def setup(self):
-        super().setup()
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, fmt: str, *args) -> None:  # noqa: D401 - stdlib signature
-        if not self.quiet:
-            sys.stdout.write("%s %s\n" % (self.log_date_time_string(), fmt % args))
-            sys.stdout.flush()
 
     def read_body(self) -> bytes:
         length = int(self.headers.get("content-length") or 0)
@@ -260,11 +250,7 @@ class Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = handle_any
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
+class Server(testserver.Server):
     def handle_error(self, request, client_address):  # quiet: peers that give up are expected
         exc = sys.exc_info()[1]
         if not isinstance(exc, (BrokenPipeError, ConnectionResetError, TimeoutError)):
@@ -281,14 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     Handler.quiet = args.quiet
     MODE.target = args.target
     srv = Server((args.host, args.port), Handler)
-    print(f"store double listening on {args.host}:{srv.server_address[1]}", flush=True)
-    try:
-        srv.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.server_close()
-    return 0
+    return testserver.serve(srv, "store double")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ import struct
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import testserver
 from urllib.parse import parse_qs, urlsplit
 
 ECHO_LIMIT = 4096
@@ -105,23 +106,10 @@ class State:
 STATE = State()
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class Handler(testserver.Handler):
     server_version = "counting-upstream/1"
-    quiet = False
-
-    def setup(self):
-        super().setup()
-        # Headers and body leave in separate writes: without TCP_NODELAY, Nagle's algorithm
-        # holds the body until the peer's delayed ACK (about 40 ms) on every response.
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     # --- plumbing -------------------------------------------------------------------------
-
-    def log_message(self, fmt: str, *args) -> None:  # noqa: D401 - stdlib signature
-        if not self.quiet:
-            sys.stdout.write("%s %s\n" % (self.log_date_time_string(), fmt % args))
-            sys.stdout.flush()
 
     def read_body(self) -> bytes:
         te = (self.headers.get("transfer-encoding") or "").lower()
@@ -234,12 +222,6 @@ class Handler(BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = handle_any
 
 
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
@@ -247,15 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="do not log each request")
     args = ap.parse_args(argv)
     Handler.quiet = args.quiet
-    srv = Server((args.host, args.port), Handler)
-    print(f"counting upstream listening on {args.host}:{srv.server_address[1]}", flush=True)
-    try:
-        srv.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.server_close()
-    return 0
+    srv = testserver.Server((args.host, args.port), Handler)
+    return testserver.serve(srv, "counting upstream")
 
 
 if __name__ == "__main__":
