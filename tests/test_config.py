@@ -73,35 +73,30 @@ def test_invalid_config_is_refused(case, run_dir, artifacts, upstream):
         proc.stop()
 
 
-def test_valid_config_starts(run_dir, artifacts, upstream):
-    """The control for the test above: the same Envoy with a valid config serves."""
+def assert_config_serves(run_dir, artifacts, upstream, name: str, cfg: dict) -> None:
+    """An Envoy with this plugin configuration becomes ready and serves a request."""
     admin = h.free_port()
     port = h.free_port()
-    cfg = {"store_cluster": "idemstore", "retention_seconds": 604800, "lock_ttl_ms": 1000,
-           "methods": ["POST"], "failure_mode": "open", "subject": {"header": "x-user"}}
     config = h.envoy_config(admin, [h.listener("default", port, [h.wasm_filter(cfg, artifacts["wasm"])])],
                             upstream.port, h.free_port())
-    proc = h.launch_envoy(run_dir / "config", "envoy-valid", config)
+    proc = h.launch_envoy(run_dir / "config", name, config)
     try:
         h.wait_for(lambda: ready(admin), "envoy ready", proc, timeout=READY_DEADLINE)
         resp = h.request(port, "GET", "/orders")
         assert resp.status == 201, resp
     finally:
         proc.stop()
+
+
+def test_valid_config_starts(run_dir, artifacts, upstream):
+    """The control for the test above: the same Envoy with a valid config serves."""
+    cfg = {"store_cluster": "idemstore", "retention_seconds": 604800, "lock_ttl_ms": 1000,
+           "methods": ["POST"], "failure_mode": "open", "subject": {"header": "x-user"}}
+    assert_config_serves(run_dir, artifacts, upstream, "envoy-valid", cfg)
 
 
 def test_valid_detached_config_starts(run_dir, artifacts, upstream):
     """The boundary: detached_timeout_ms equal to lock_ttl_ms is accepted."""
-    admin = h.free_port()
-    port = h.free_port()
     cfg = {"store_cluster": "idemstore", "lock_ttl_ms": 1000, "detached_execution": True,
            "detached_timeout_ms": 1000, "store_key_header": "x-idempotency-store-key"}
-    config = h.envoy_config(admin, [h.listener("default", port, [h.wasm_filter(cfg, artifacts["wasm"])])],
-                            upstream.port, h.free_port())
-    proc = h.launch_envoy(run_dir / "config", "envoy-valid-detached", config)
-    try:
-        h.wait_for(lambda: ready(admin), "envoy ready", proc, timeout=READY_DEADLINE)
-        resp = h.request(port, "GET", "/orders")
-        assert resp.status == 201, resp
-    finally:
-        proc.stop()
+    assert_config_serves(run_dir, artifacts, upstream, "envoy-valid-detached", cfg)
