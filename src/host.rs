@@ -46,6 +46,11 @@ struct Shared {
 
 struct Entry {
     stream: Stream,
+    /// For log lines: Envoy's `x-request-id`, cleaned (see [`request_id`]).
+    request_id: Rc<str>,
+    /// For log lines: the store key's prefix, kept once derived (the machine drops its key when
+    /// it is done, before the effects that follow are logged).
+    key_prefix: Option<String>,
     /// Envoy has destroyed the stream; the entry lives on only until its pending call (a
     /// `begin`, or a detached execution) answers.
     gone: bool,
@@ -54,6 +59,7 @@ struct Entry {
 /// A callout on behalf of a stream (which may be gone by the time it answers).
 struct Job {
     stream: u32,
+    request_id: Rc<str>,
     call: Call,
     /// 0 for the first try; see [`StoreCall::after_fault`].
     attempt: u32,
@@ -65,12 +71,15 @@ enum Call {
     Upstream(UpstreamCall),
 }
 
-impl Call {
-    /// For log lines: the store key's prefix, or the cluster of a detached call.
+impl Job {
+    /// For log lines: the request id, and the store key's prefix or the cluster of a detached
+    /// call. Never the client's key: only its derived store key is known past the headers.
     fn label(&self) -> String {
-        match self {
-            Call::Store(c) => format!("store {:?} for key {}", c.kind(), prefix(c.key())),
-            Call::Upstream(c) => format!("detached call to {}", c.cluster),
+        match &self.call {
+            Call::Store(c) => {
+                format!("request {} key {}: store {:?}", self.request_id, prefix(c.key()), c.kind())
+            }
+            Call::Upstream(c) => format!("request {}: detached call to {}", self.request_id, c.cluster),
         }
     }
 }
@@ -207,7 +216,7 @@ fn flush_outbox(shared: &SharedRef) {
                 }
             }
             Err(status) => {
-                log::warn!("{}: dispatch failed: {status:?}", job.call.label());
+                log::warn!("{}: dispatch failed: {status:?}", job.label());
                 let outcome = Answered::fault(&job.call, StoreFault::Dispatch);
                 settle(shared, job, outcome, Caller::Root);
             }
@@ -227,7 +236,7 @@ fn submit(shared: &SharedRef, job: Job, caller: Caller) {
         Err(_) => {
             // Unreachable by construction (no borrow is held while effects apply); logged,
             // because the request this belongs to would otherwise hang.
-            log::error!("{} dropped: state busy", job.call.label());
+            log::error!("{} dropped: state busy", job.label());
             return;
         }
     };
@@ -307,11 +316,17 @@ fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
             _ => None,
         };
         if let Some(f) = fault {
-            log::warn!("{} (try {}): {f}", job.call.label(), job.attempt + 1);
+            log::warn!("{} (try {}): {f}", job.label(), job.attempt + 1);
             effects.push(Effect::Count(Metric::StoreErrors));
             if let Some(next) = call.after_fault(job.attempt) {
                 let attempt = if next.kind() == call.kind() { job.attempt + 1 } else { 0 };
-                submit(shared, Job { stream: job.stream, call: Call::Store(next), attempt }, caller);
+                let retry = Job {
+                    stream: job.stream,
+                    request_id: job.request_id.clone(),
+                    call: Call::Store(next),
+                    attempt,
+                };
+                submit(shared, retry, caller);
             }
         }
     }
@@ -333,7 +348,7 @@ fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
         }
         Answered::Upstream(answer) => {
             if let Err(f) = &answer {
-                log::warn!("{}: {f}", job.call.label());
+                log::warn!("{}: {f}", job.label());
             }
             on_stream_answer(shared, &job, &mut effects, |s| s.on_upstream_answer(answer))
         }
@@ -343,7 +358,7 @@ fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
                     effects.push(Effect::Count(Metric::Stored))
                 }
                 Ok(CommitOutcome::Exists) => {
-                    log::info!("{}: an earlier record was kept", job.call.label());
+                    log::info!("{}: an earlier record was kept", job.label());
                     effects.push(Effect::Count(Metric::CommitFailed));
                 }
                 // Counted once, when the retry is exhausted and the lock is given back.
@@ -368,7 +383,7 @@ fn on_stream_answer(
     let Ok(mut s) = shared.try_borrow_mut() else { return false };
     let Some(entry) = s.streams.get_mut(&job.stream) else {
         // Entries outlive their pending calls: not expected.
-        log::error!("{}: answer for an unknown stream", job.call.label());
+        log::error!("{}: answer for an unknown stream", job.label());
         return false;
     };
     effects.extend(feed(&mut entry.stream));
@@ -381,6 +396,38 @@ fn on_stream_answer(
 
 fn prefix(key: &str) -> &str {
     key.get(..12).unwrap_or(key)
+}
+
+fn request_id_of(shared: &SharedRef, stream_id: u32) -> Rc<str> {
+    shared
+        .try_borrow()
+        .ok()
+        .and_then(|s| s.streams.get(&stream_id).map(|e| e.request_id.clone()))
+        .unwrap_or_else(|| Rc::from("-"))
+}
+
+/// One debug line per counted outcome (guarded, replayed, executed, ...), to follow a request.
+fn log_decision(shared: &SharedRef, stream_id: u32, m: Metric) {
+    let Ok(s) = shared.try_borrow() else { return };
+    let Some(entry) = s.streams.get(&stream_id) else { return };
+    let key = entry.key_prefix.as_deref().unwrap_or("-");
+    log::debug!("request {} key {key}: {}", entry.request_id, m.name());
+}
+
+/// `x-request-id` as a log field: a client may send its own, so anything but a short run of
+/// visible ASCII is cut, and a line can never be split or forged through it.
+fn request_id(raw: Option<&[u8]>) -> Rc<str> {
+    let clean: String = raw
+        .unwrap_or_default()
+        .iter()
+        .take(64)
+        .map(|&b| if b.is_ascii_graphic() { b as char } else { '?' })
+        .collect();
+    if clean.is_empty() {
+        Rc::from("-")
+    } else {
+        Rc::from(clean)
+    }
 }
 
 /// Which kind of callback effects are applied in: the host call rules differ.
@@ -428,12 +475,22 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, caller: Calle
                 }
             }
             Effect::Store(call) => {
-                submit(shared, Job { stream: stream_id, call: Call::Store(call), attempt: 0 }, caller)
+                let request_id = request_id_of(shared, stream_id);
+                submit(
+                    shared,
+                    Job { stream: stream_id, request_id, call: Call::Store(call), attempt: 0 },
+                    caller,
+                )
             }
             Effect::Upstream(call) => {
-                submit(shared, Job { stream: stream_id, call: Call::Upstream(call), attempt: 0 }, caller)
+                let request_id = request_id_of(shared, stream_id);
+                let job = Job { stream: stream_id, request_id, call: Call::Upstream(call), attempt: 0 };
+                submit(shared, job, caller)
             }
             Effect::Count(m) => {
+                if log::log_enabled!(log::Level::Debug) {
+                    log_decision(shared, stream_id, m);
+                }
                 if let Some(id) = shared.try_borrow().ok().and_then(|s| s.metrics.get(m.index()).copied()) {
                     let _ = hostcalls::increment_metric(id, 1);
                 }
@@ -453,9 +510,18 @@ impl HttpStream {
         let step = {
             let Ok(mut s) = shared.try_borrow_mut() else { return HostAction::Continue };
             let cfg = s.cfg.clone();
-            let entry =
-                s.streams.entry(self.id).or_insert_with(|| Entry { stream: Stream::new(cfg), gone: false });
-            f(&mut entry.stream, &HostView::default())
+            let view = HostView::default();
+            let entry = s.streams.entry(self.id).or_insert_with(|| Entry {
+                stream: Stream::new(cfg),
+                request_id: request_id(view.request_header("x-request-id").first().map(Vec::as_slice)),
+                key_prefix: None,
+                gone: false,
+            });
+            let step = f(&mut entry.stream, &view);
+            if entry.key_prefix.is_none() {
+                entry.key_prefix = entry.stream.store_key().map(|k| prefix(k).to_string());
+            }
+            step
         };
         apply(shared, self.id, step.effects, Caller::Stream, true);
         match step.action {

@@ -97,18 +97,22 @@ class H2Client:
     # --- API ----------------------------------------------------------------------------
 
     def send(self, method: str, path: str, headers: list[tuple[str, str]] | None = None,
-             body: bytes = b"") -> int:
-        """Send one request (headers, then the body with END_STREAM); returns the stream id."""
+             body: bytes = b"", trailers: list[tuple[str, str]] | None = None,
+             content_length: bool = True) -> int:
+        """Send one request (headers, the body, then `trailers` if any, END_STREAM on the last);
+        returns the stream id. `content_length=False` leaves the header out."""
         sid = self.conn.get_next_available_stream_id()
         hdrs = [(":method", method), (":scheme", "http"), (":authority", self.authority), (":path", path)]
         hdrs += [(k.lower(), v) for k, v in (headers or [])]
-        if body:
+        if body and content_length and not any(k.lower() == "content-length" for k, _ in headers or []):
             hdrs.append(("content-length", str(len(body))))
         self.streams[sid] = _Stream(started=time.monotonic())
-        self.conn.send_headers(sid, hdrs, end_stream=not body)
+        self.conn.send_headers(sid, hdrs, end_stream=not body and not trailers)
         if body:
             # Bodies in these tests fit the initial windows (64 KiB).
-            self.conn.send_data(sid, body, end_stream=True)
+            self.conn.send_data(sid, body, end_stream=not trailers)
+        if trailers:
+            self.conn.send_headers(sid, [(k.lower(), v) for k, v in trailers], end_stream=True)
         self._flush()
         return sid
 

@@ -1167,7 +1167,7 @@ def test_drill_garbage_store_fails_open(run_dir, artifacts, upstream, note):
         assert vm1 == vm0 and vm1["wasm.idempotency.vm_reload"] == 0, (vm0, vm1)
         log = envoy.log_text()[log_at:]
         assert not [ln for ln in log.splitlines() if PANIC.search(ln)]
-        faults = re.findall(r"store Begin for key \w+ \(try 1\): (.*)$", log, re.MULTILINE)
+        faults = re.findall(r"request \S+ key [0-9a-f]{12}: store Begin \(try 1\): (.*)$", log, re.MULTILINE)
         assert len(faults) == n, (len(faults), n)
         holds = [x.elapsed for x in load.sent]
 
