@@ -172,7 +172,9 @@ impl Config {
     }
 
     pub fn guards_method(&self, method: &str) -> bool {
-        self.methods.iter().any(|m| m == method)
+        // Methods are case-sensitive (RFC 9110), but some frameworks match them without case:
+        // an unguarded `post` that the application runs as `POST` would be a duplicate.
+        self.methods.iter().any(|m| m.eq_ignore_ascii_case(method))
     }
 }
 

@@ -179,6 +179,8 @@ impl Stream {
         if !self.cfg.guards_method(method) {
             return Step::go(self.strip_store_key_header(view));
         }
+        // `post` (HTTP/2 lets it through) is guarded as, and shares records with, `POST`.
+        let method = method.to_ascii_uppercase();
         let values = view.request_header("idempotency-key");
         let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
         let client_key = match key::parse_client_key(&values, self.cfg.max_key_length) {
@@ -205,7 +207,7 @@ impl Stream {
                 key::route_from_path(&String::from_utf8_lossy(&path)).to_string()
             }
         };
-        let key = key::store_key(&subject, method, &route, &client_key);
+        let key = key::store_key(&subject, &method, &route, &client_key);
         if let Some(name) = &self.cfg.store_key_header {
             effects.push(Effect::SetRequestHeader(name.clone(), key.clone()));
         }
@@ -529,7 +531,12 @@ impl Stream {
             }
         };
         match identity {
-            Some(id) if !id.is_empty() => format!("id:{}", String::from_utf8_lossy(&id)),
+            // Exact bytes either way, so two identities never collapse into one subject: a
+            // numeric claim arrives as the 8 raw bytes of a double, rarely valid UTF-8.
+            Some(id) if !id.is_empty() => match String::from_utf8(id) {
+                Ok(text) => format!("id:{text}"),
+                Err(e) => format!("idx:{}", key::hex(e.as_bytes())),
+            },
             _ => {
                 let source = view.property(&["source", "address"]).unwrap_or_default();
                 key::anonymous_subject(&String::from_utf8_lossy(&source))

@@ -153,7 +153,11 @@ ROWS: dict[str, Row] = {
     # --- methods -----------------------------------------------------------------------------
     # Envoy's HTTP/1 codec refuses a method that is not upper case.
     "method_lower_case": Row(key(KEY, method="post"), 400, 0),
-    "method_lower_case_h2": Row(h2([("idempotency-key", KEY)], method="post"), 400, 0),
+    # Over HTTP/2 it reaches the filter. Methods are case-sensitive (RFC 9110 9.1), but some
+    # frameworks match them case-insensitively (Express lower-cases them), so `post` is guarded
+    # as `POST` and shares its records: an unguarded duplicate is the failure this filter exists
+    # to prevent.
+    "method_lower_case_h2": Row(h2([("idempotency-key", KEY)], method="post"), 201, 1, replay=True, guarded=2),
     "method_put_not_guarded": Row(key(KEY, method="PUT"), 201, 1, guarded=0, extra={"again_executes": True}),
     "method_patch_guarded": Row(key(KEY, method="PATCH"), 201, 1, replay=True, guarded=2),
     # --- HTTP/2 ------------------------------------------------------------------------------
