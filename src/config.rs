@@ -16,6 +16,23 @@ pub enum FailureMode {
     Closed,
 }
 
+/// The shared secret sent to idemstore in `x-idem-secret`. Its `Debug` never shows the value,
+/// so a logged or asserted `Config` cannot leak it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StoreSecret(String);
+
+impl StoreSecret {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for StoreSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StoreSecret(<redacted>)")
+    }
+}
+
 /// Where the caller's identity comes from. Requests without one are scoped by client IP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Subject {
@@ -50,6 +67,8 @@ pub struct Config {
     pub detached_timeout_ms: u64,
     /// Header that carries the derived store key to the upstream (absent: not sent).
     pub store_key_header: Option<String>,
+    /// Sent to idemstore on every store call (absent: not sent).
+    pub store_secret: Option<StoreSecret>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,7 +100,19 @@ pub const MAX_BODY_BYTES: RangeInclusive<u64> = 0..=64 * 1024 * 1024;
 pub const MAX_RECORD_BYTES: RangeInclusive<u64> = 0..=8 * 1024 * 1024;
 
 impl Config {
+    /// Parses and validates; `store_secret_env` is read from the process environment, which
+    /// in the Wasm VM holds exactly the variables Envoy passes in
+    /// `vm_config.environment_variables` (`host_env_keys` copies them from Envoy's own).
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        Self::from_json_with_env(bytes, &|name| std::env::var(name).ok())
+    }
+
+    /// [`Self::from_json`] with the environment given as a lookup, so that tests need not
+    /// touch the process environment.
+    pub fn from_json_with_env(
+        bytes: &[u8],
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
         let value: Value = serde_json::from_slice(bytes)
             .map_err(|e| err("", format!("configuration is not valid JSON: {e}")))?;
         let Value::Object(mut map) = value else {
@@ -147,6 +178,8 @@ impl Config {
             }
         };
 
+        let store_secret = store_secret(take("store_secret"), take("store_secret_env"), env)?;
+
         if let Some(unknown) = map.keys().next() {
             return Err(err(unknown, "is not a known key"));
         }
@@ -168,6 +201,7 @@ impl Config {
             detached_execution,
             detached_timeout_ms,
             store_key_header,
+            store_secret,
         })
     }
 
@@ -286,6 +320,45 @@ fn subject(v: Value) -> Result<Subject, ConfigError> {
     Ok(Subject::Metadata { filter, path })
 }
 
+/// `store_secret` itself, or the environment variable `store_secret_env` names; at most one.
+/// Errors never quote the secret: they end up in Envoy's log.
+fn store_secret(
+    literal: Option<Value>,
+    env_name: Option<Value>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<StoreSecret>, ConfigError> {
+    let form = format!(
+        "must be 1 to {} visible ASCII characters (no spaces or control characters)",
+        idem_protocol::MAX_SECRET_LEN
+    );
+    let (literal, env_name) = (literal.filter(|v| !v.is_null()), env_name.filter(|v| !v.is_null()));
+    match (literal, env_name) {
+        (None, None) => Ok(None),
+        (Some(_), Some(_)) => Err(err("store_secret", "and `store_secret_env` cannot both be set: pick one")),
+        (Some(v), None) => match v {
+            Value::String(s) if idem_protocol::is_secret(s.as_bytes()) => Ok(Some(StoreSecret(s))),
+            Value::String(_) => Err(err("store_secret", form)),
+            other => Err(err("store_secret", format!("must be a string, got {}", type_name(&other)))),
+        },
+        (None, Some(v)) => {
+            let name = non_empty_string("store_secret_env", v)?;
+            match env(&name) {
+                Some(s) if idem_protocol::is_secret(s.as_bytes()) => Ok(Some(StoreSecret(s))),
+                Some(s) if !s.is_empty() => {
+                    Err(err("store_secret_env", format!("names {name:?}, whose value {form}")))
+                }
+                _ => Err(err(
+                    "store_secret_env",
+                    format!(
+                        "names {name:?}, which is unset or empty in the Wasm VM (pass it with \
+                         vm_config.environment_variables.host_env_keys)"
+                    ),
+                )),
+            }
+        }
+    }
+}
+
 fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -402,5 +475,98 @@ mod tests {
         }
         assert!(parse("not json").is_err());
         assert!(parse("[]").is_err());
+    }
+
+    const SECRET: &str = "Sup3r-s3cret~value!";
+
+    fn parse_env(s: &str, vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let lookup = |name: &str| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string());
+        Config::from_json_with_env(s.as_bytes(), &lookup)
+    }
+
+    #[test]
+    fn store_secret_from_the_config_or_the_environment() {
+        assert_eq!(parse(r#"{"store_cluster":"s"}"#).unwrap().store_secret, None);
+        let c = parse_env(&format!(r#"{{"store_cluster":"s","store_secret":"{SECRET}"}}"#), &[]).unwrap();
+        assert_eq!(c.store_secret.as_ref().map(StoreSecret::as_str), Some(SECRET));
+        let json = r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#;
+        let c = parse_env(json, &[("IDEM_SECRET", SECRET)]).unwrap();
+        assert_eq!(c.store_secret.as_ref().map(StoreSecret::as_str), Some(SECRET));
+        let longest = "x".repeat(256);
+        let c = parse_env(&format!(r#"{{"store_cluster":"s","store_secret":"{longest}"}}"#), &[]).unwrap();
+        assert_eq!(c.store_secret.unwrap().as_str(), longest);
+        let nulls = parse(r#"{"store_cluster":"s","store_secret":null,"store_secret_env":null}"#).unwrap();
+        assert_eq!(nulls.store_secret, None);
+    }
+
+    #[test]
+    fn store_secret_errors_name_the_key_and_never_the_secret() {
+        let too_long = "x".repeat(257);
+        let both =
+            format!(r#"{{"store_cluster":"s","store_secret":"{SECRET}","store_secret_env":"IDEM_SECRET"}}"#);
+        // (configuration, environment, a word the error must contain)
+        type Vars = &'static [(&'static str, &'static str)];
+        let cases: Vec<(String, Vars, &str)> = vec![
+            (both, &[("IDEM_SECRET", SECRET)], "store_secret_env"),
+            (r#"{"store_cluster":"s","store_secret":""}"#.into(), &[], "store_secret"),
+            (format!(r#"{{"store_cluster":"s","store_secret":"{too_long}"}}"#), &[], "store_secret"),
+            (r#"{"store_cluster":"s","store_secret":"two words"}"#.into(), &[], "store_secret"),
+            (r#"{"store_cluster":"s","store_secret":"café"}"#.into(), &[], "store_secret"),
+            (r#"{"store_cluster":"s","store_secret":5}"#.into(), &[], "store_secret"),
+            (r#"{"store_cluster":"s","store_secret_env":""}"#.into(), &[], "store_secret_env"),
+            (r#"{"store_cluster":"s","store_secret_env":7}"#.into(), &[], "store_secret_env"),
+            (r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#.into(), &[], "IDEM_SECRET"),
+            (
+                r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#.into(),
+                &[("IDEM_SECRET", "")],
+                "IDEM_SECRET",
+            ),
+            (
+                r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#.into(),
+                &[("IDEM_SECRET", "Sup3r s3cret")],
+                "IDEM_SECRET",
+            ),
+        ];
+        for (json, vars, named) in cases {
+            let e = parse_env(&json, vars).unwrap_err();
+            let text = e.to_string();
+            assert!(e.key.starts_with("store_secret"), "{json}: {text}");
+            assert!(text.contains(&format!("`{}`", e.key)), "{json}: {text}");
+            assert!(text.contains(named), "{json}: {text}");
+            assert!(!text.contains("Sup3r"), "{json}: the error quotes the secret: {text}");
+        }
+        let e = parse_env(r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#, &[]).unwrap_err();
+        assert!(e.to_string().contains("unset or empty"), "{e}");
+        assert!(e.to_string().contains("host_env_keys"), "{e}");
+        let e = parse_env(
+            &format!(r#"{{"store_cluster":"s","store_secret":"{SECRET}","store_secret_env":"X"}}"#),
+            &[],
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("`store_secret`") && e.to_string().contains("`store_secret_env`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn debug_redacts_the_store_secret() {
+        let c = parse_env(&format!(r#"{{"store_cluster":"s","store_secret":"{SECRET}"}}"#), &[]).unwrap();
+        let debug = format!("{c:?}");
+        assert!(!debug.contains(SECRET), "{debug}");
+        assert!(debug.contains("store_secret: Some(StoreSecret(<redacted>))"), "{debug}");
+    }
+
+    #[test]
+    fn from_json_reads_the_process_environment() {
+        // A name nothing else sets; the test owns it.
+        let name = "IDEMPOTENCY_FILTER_CONFIG_TEST_SECRET";
+        let json = format!(r#"{{"store_cluster":"s","store_secret_env":"{name}"}}"#);
+        assert_eq!(Config::from_json(json.as_bytes()).unwrap_err().key, "store_secret_env");
+        // SAFETY: no other test reads or writes this variable.
+        unsafe { std::env::set_var(name, SECRET) };
+        let c = Config::from_json(json.as_bytes()).unwrap();
+        unsafe { std::env::remove_var(name) };
+        assert_eq!(c.store_secret.unwrap().as_str(), SECRET);
     }
 }

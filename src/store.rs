@@ -22,11 +22,27 @@ pub enum CallKind {
 }
 
 /// An HTTP callout to the store cluster.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Callout {
     pub headers: Vec<(&'static str, String)>,
     pub body: Option<Vec<u8>>,
     pub timeout_ms: u64,
+}
+
+/// Shows every header but the shared secret's value.
+impl std::fmt::Debug for Callout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let headers: Vec<(&str, &str)> = self
+            .headers
+            .iter()
+            .map(|(n, v)| (*n, if *n == proto::HEADER_SECRET { "<redacted>" } else { v.as_str() }))
+            .collect();
+        f.debug_struct("Callout")
+            .field("headers", &headers)
+            .field("body", &self.body.as_ref().map(Vec::len))
+            .field("timeout_ms", &self.timeout_ms)
+            .finish()
+    }
 }
 
 impl StoreCall {
@@ -66,6 +82,9 @@ impl StoreCall {
             (":authority", cfg.store_cluster.clone()),
             (proto::HEADER_KEY, self.key().to_string()),
         ];
+        if let Some(secret) = &cfg.store_secret {
+            headers.push((proto::HEADER_SECRET, secret.as_str().to_string()));
+        }
         let (path, body, timeout_ms) = match self {
             StoreCall::Begin { body_hash, .. } => {
                 headers.push((proto::HEADER_BODY_HASH, body_hash.clone()));
@@ -111,6 +130,10 @@ impl std::fmt::Display for StoreFault {
             StoreFault::Dispatch => f.write_str("callout could not be dispatched"),
             StoreFault::Reset => f.write_str("connection reset or refused"),
             StoreFault::Timeout => f.write_str("timed out"),
+            // idemstore's only 401: its shared secret was missing or wrong.
+            StoreFault::Status(401) => f.write_str(
+                "store refused the secret (401): check store_secret / store_secret_env against idemstore's --secret",
+            ),
             StoreFault::Status(s) => write!(f, "answered status {s}"),
             StoreFault::Garbage(what) => write!(f, "answered garbage: {what}"),
         }
@@ -226,6 +249,47 @@ mod tests {
     }
 
     #[test]
+    fn callouts_carry_the_secret_when_configured() {
+        let k = "a".repeat(64);
+        let calls = [
+            StoreCall::Begin { key: k.clone(), body_hash: "b".repeat(64) },
+            StoreCall::Commit {
+                key: k.clone(),
+                token: "t".into(),
+                body_hash: "b".repeat(64),
+                record: vec![1],
+            },
+            StoreCall::Release { key: k, token: "t".into() },
+        ];
+        let with = Config::from_json(br#"{"store_cluster":"idemstore","store_secret":"s3cret!"}"#).unwrap();
+        for call in &calls {
+            let plain = call.callout(&cfg());
+            assert!(plain.headers.iter().all(|(n, _)| *n != proto::HEADER_SECRET), "{call:?}");
+            let c = call.callout(&with);
+            let sent: Vec<&str> = c
+                .headers
+                .iter()
+                .filter(|(n, _)| *n == proto::HEADER_SECRET)
+                .map(|(_, v)| v.as_str())
+                .collect();
+            assert_eq!(sent, ["s3cret!"], "{call:?}: exactly once");
+            let debug = format!("{c:?}");
+            assert!(!debug.contains("s3cret!") && debug.contains("<redacted>"), "{debug}");
+            // Everything else is the same callout.
+            let rest: Vec<_> =
+                c.headers.iter().filter(|(n, _)| *n != proto::HEADER_SECRET).cloned().collect();
+            assert_eq!(rest, call.callout(&Config { store_secret: None, ..with.clone() }).headers);
+        }
+    }
+
+    #[test]
+    fn a_refused_secret_says_so() {
+        let text = StoreFault::Status(401).to_string();
+        assert!(text.contains("store refused the secret (401)"), "{text}");
+        assert_eq!(StoreFault::Status(503).to_string(), "answered status 503");
+    }
+
+    #[test]
     fn failed_commit_is_retried_once_then_released() {
         let commit =
             StoreCall::Commit { key: "k".into(), token: "t".into(), body_hash: "h".into(), record: vec![1] };
@@ -259,6 +323,7 @@ mod tests {
             (vec![], b"", StoreFault::Reset),
             (answer("504", None, &[]), b"", StoreFault::Timeout),
             (answer("503", None, &[]), b"", StoreFault::Status(503)),
+            (answer("401", None, &[]), b"missing or wrong x-idem-secret", StoreFault::Status(401)),
             (answer("abc", None, &[]), b"", StoreFault::Garbage("no status")),
             (answer("200", None, &[]), b"", StoreFault::Garbage("no outcome")),
             (answer("200", Some("what"), &[]), b"", StoreFault::Garbage("unknown outcome")),

@@ -5,5 +5,6 @@
 
 pub mod backend;
 pub mod http;
+pub mod secret;
 pub mod store;
 pub mod waiters;

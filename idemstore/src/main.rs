@@ -2,16 +2,18 @@
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use clap::Parser;
-use idemstore::backend::memory::MemoryBackend;
+use idemstore::backend::memory::{self, MemoryBackend};
 use idemstore::backend::redis::RedisBackend;
 use idemstore::backend::Backend;
 use idemstore::http;
+use idemstore::secret::Secret;
 use idemstore::store::Store;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -51,8 +53,42 @@ struct Cli {
 
     /// In-memory backend only: keys (records or locks) kept at most; `begin` answers 503 when
     /// full.
-    #[arg(long, env = "IDEMSTORE_MEMORY_MAX_KEYS", default_value_t = 1_000_000)]
+    #[arg(long, env = "IDEMSTORE_MEMORY_MAX_KEYS", default_value_t = memory::DEFAULT_MAX_KEYS)]
     memory_max_keys: usize,
+
+    /// In-memory backend only: bytes kept at most, records plus a fixed cost per key; a new key
+    /// or a record past it answers 503.
+    #[arg(long, env = "IDEMSTORE_MEMORY_MAX_BYTES", default_value_t = memory::DEFAULT_MAX_BYTES)]
+    memory_max_bytes: usize,
+
+    /// Shared secret every request but GET /healthz must carry in x-idem-secret (else 401):
+    /// 1 to 256 visible ASCII characters. Visible to other local users in the process list:
+    /// prefer --secret-file or the environment variable.
+    #[arg(long, env = "IDEMSTORE_SECRET", value_name = "SECRET", hide_env_values = true)]
+    secret: Option<RawSecret>,
+
+    /// File holding the shared secret (see --secret), trailing line breaks removed.
+    #[arg(long, env = "IDEMSTORE_SECRET_FILE", value_name = "PATH", conflicts_with = "secret")]
+    secret_file: Option<PathBuf>,
+}
+
+/// `--secret` as given: validated by [`Secret::new`] in [`run`], because clap's own error
+/// would print the rejected value, and never shown by `Debug`.
+#[derive(Clone)]
+struct RawSecret(String);
+
+impl std::str::FromStr for RawSecret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for RawSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
 }
 
 #[tokio::main]
@@ -72,30 +108,49 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), String> {
+    let secret = match (&cli.secret, &cli.secret_file) {
+        (Some(raw), _) => Some(Secret::new(&raw.0).map_err(|e| format!("invalid --secret: {e}"))?),
+        (None, Some(path)) => {
+            Some(Secret::from_file(path).map_err(|e| format!("invalid --secret-file: {e}"))?)
+        }
+        (None, None) => None,
+    };
     let listener =
         TcpListener::bind(&cli.listen).await.map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let mut options = http::Options::new(cli.max_body_bytes);
+    match secret {
+        Some(secret) => {
+            tracing::info!("every request but {} needs the shared secret", idem_protocol::PATH_HEALTH);
+            options = options.with_secret(secret);
+        }
+        None if !addr.ip().is_loopback() => tracing::warn!(
+            "listening on {addr} without a shared secret: anything that reaches this port can read \
+             and write the store; set --secret-file (or IDEMSTORE_SECRET)"
+        ),
+        None => {}
+    }
     let timeout = Duration::from_millis(cli.redis_timeout_ms.max(1));
     if let Some(url) = &cli.redis {
         let backend = RedisBackend::standalone(url, timeout)
             .map_err(|e| format!("invalid --redis {}: {e}", redact(url)))?;
         started(addr, &format!("redis {}", redact(url)));
-        serve(listener, backend, cli.max_body_bytes).await
+        serve(listener, backend, options).await
     } else if !cli.redis_cluster.is_empty() {
         let backend = RedisBackend::cluster(&cli.redis_cluster, timeout)
             .map_err(|e| format!("invalid --redis-cluster: {e}"))?;
         let seeds: Vec<String> = cli.redis_cluster.iter().map(|u| redact(u)).collect();
         started(addr, &format!("redis-cluster {}", seeds.join(",")));
-        serve(listener, backend, cli.max_body_bytes).await
+        serve(listener, backend, options).await
     } else {
-        let backend = MemoryBackend::new(cli.memory_max_keys);
+        let backend = MemoryBackend::with_limits(cli.memory_max_keys, cli.memory_max_bytes);
         backend.spawn_sweeper(SWEEP_PERIOD);
-        started(addr, &format!("memory (max {} keys)", cli.memory_max_keys));
+        started(addr, &format!("memory (max {} keys, {} bytes)", cli.memory_max_keys, cli.memory_max_bytes));
         tracing::warn!(
             "in-memory backend: records and locks live in this process only and are not shared \
              across idemstore instances; use --redis or --redis-cluster to run more than one"
         );
-        serve(listener, backend, cli.max_body_bytes).await
+        serve(listener, backend, options).await
     }
 }
 
@@ -103,13 +158,13 @@ fn started(addr: SocketAddr, backend: &str) {
     tracing::info!("idemstore listening on {addr}, backend {backend}");
 }
 
-async fn serve<B: Backend>(listener: TcpListener, backend: B, max_body: usize) -> Result<(), String> {
+async fn serve<B: Backend>(listener: TcpListener, backend: B, options: http::Options) -> Result<(), String> {
     let store = Arc::new(Store::new(backend));
     if let Err(e) = store.health().await {
         // Not fatal: Redis may come up after us; /healthz reports it meanwhile.
         tracing::warn!(error = %e, "backend not reachable yet");
     }
-    let app = http::router(Arc::clone(&store), max_body);
+    let app = http::router(Arc::clone(&store), options);
     // A waiter's answer often follows another answer on the same h2 connection within
     // microseconds; with Nagle's algorithm it would wait for Envoy's delayed ACK (~40 ms).
     let listener = listener.tap_io(|tcp| {
@@ -190,5 +245,35 @@ mod tests {
             "redis://b:2"
         ])
         .is_err());
+    }
+
+    #[test]
+    fn listens_on_loopback_by_default() {
+        let command = Cli::command();
+        let listen = command.get_arguments().find(|a| a.get_id() == "listen").unwrap();
+        assert_eq!(listen.get_default_values(), ["127.0.0.1:8380"]);
+    }
+
+    #[test]
+    fn secret_flags() {
+        let cli = Cli::try_parse_from(["idemstore", "--secret", "s3cret"]).unwrap();
+        assert_eq!(cli.secret.unwrap().0, "s3cret");
+        let both = Cli::try_parse_from(["idemstore", "--secret", "x", "--secret-file", "/f"]);
+        assert!(both.is_err(), "--secret and --secret-file are exclusive");
+        // Debug (and so any log of the parsed flags) never shows the secret.
+        let cli = Cli::try_parse_from(["idemstore", "--secret", "hunter2"]).unwrap();
+        assert!(!format!("{cli:?}").contains("hunter2"));
+    }
+
+    #[tokio::test]
+    async fn invalid_secret_is_refused_without_echoing_it() {
+        for bad in ["", "a b"] {
+            let cli = Cli::try_parse_from(["idemstore", "--listen", "127.0.0.1:0", "--secret", bad]).unwrap();
+            let e = run(cli).await.unwrap_err();
+            assert!(e.starts_with("invalid --secret"), "{e}");
+            assert!(bad.is_empty() || !e.contains(bad), "{e}");
+        }
+        let cli = Cli::try_parse_from(["idemstore", "--secret-file", "/nonexistent/secret"]).unwrap();
+        assert!(run(cli).await.unwrap_err().contains("cannot read the secret file"));
     }
 }

@@ -13,13 +13,20 @@ use hyper::{HeaderMap, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use idem_protocol as proto;
 use idemstore::backend::memory::MemoryBackend;
+use idemstore::http::{Guard, Options};
+use idemstore::secret::Secret;
 use idemstore::store::Store;
 use tokio::net::{TcpListener, TcpStream};
 
 async fn serve(max_body: usize) -> SocketAddr {
+    serve_with(MemoryBackend::new(1000), Options::new(max_body)).await
+}
+
+/// idemstore's router on a loopback port; keep a clone of `backend` to look inside.
+async fn serve_with(backend: MemoryBackend, options: Options) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = idemstore::http::router(Arc::new(Store::new(MemoryBackend::new(1000))), max_body);
+    let app = idemstore::http::router(Arc::new(Store::new(backend)), options);
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     addr
 }
@@ -46,54 +53,78 @@ enum Version {
     H2c,
 }
 
-/// One connection; HTTP/2 requests on it are multiplexed.
+/// One connection; HTTP/2 requests on it are multiplexed. Sends `secret` on every request.
 #[derive(Clone)]
-enum Client {
+struct Client {
+    conn: Conn,
+    secret: Option<&'static str>,
+}
+
+#[derive(Clone)]
+enum Conn {
     H1(SocketAddr),
     H2(hyper::client::conn::http2::SendRequest<Full<Bytes>>, SocketAddr),
 }
 
 impl Client {
     async fn new(addr: SocketAddr, version: Version) -> Self {
-        match version {
-            Version::H1 => Self::H1(addr),
+        let conn = match version {
+            Version::H1 => Conn::H1(addr),
             Version::H2c => {
                 let io = TokioIo::new(TcpStream::connect(addr).await.unwrap());
                 let (sender, conn) =
                     hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await.unwrap();
                 tokio::spawn(conn);
-                Self::H2(sender, addr)
+                Conn::H2(sender, addr)
             }
-        }
+        };
+        Self { conn, secret: None }
+    }
+
+    fn with_secret(&self, secret: Option<&'static str>) -> Self {
+        Self { conn: self.conn.clone(), secret }
     }
 
     async fn call(&self, method: &str, path: &str, headers: &[(&str, &str)], body: Bytes) -> Reply {
-        let addr = match self {
-            Self::H1(addr) | Self::H2(_, addr) => *addr,
+        self.try_call(method, path, headers, body).await.unwrap()
+    }
+
+    async fn try_call(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Result<Reply, hyper::Error> {
+        let addr = match &self.conn {
+            Conn::H1(addr) | Conn::H2(_, addr) => *addr,
         };
         let mut request = Request::builder().method(method).uri(format!("http://{addr}{path}"));
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
+        if let Some(secret) = self.secret {
+            request = request.header(proto::HEADER_SECRET, secret);
+        }
         let request = request.body(Full::new(body)).unwrap();
-        let response = match self {
-            Self::H1(_) => {
+        let response = match &self.conn {
+            Conn::H1(_) => {
                 // A fresh connection per request: HTTP/1.1 cannot multiplex a long-poll.
                 let io = TokioIo::new(TcpStream::connect(addr).await.unwrap());
-                let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+                let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
                 tokio::spawn(conn);
-                sender.send_request(request).await.unwrap()
+                sender.send_request(request).await?
             }
-            Self::H2(sender, _) => {
-                let response = sender.clone().send_request(request).await.unwrap();
+            Conn::H2(sender, _) => {
+                let response = sender.clone().send_request(request).await?;
                 assert_eq!(response.version(), hyper::Version::HTTP_2);
                 response
             }
         };
         let status = response.status();
         let headers = response.headers().clone();
-        let body = response.into_body().collect().await.unwrap().to_bytes();
-        Reply { status, headers, body }
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok(Reply { status, headers, body })
     }
 
     async fn begin(&self, key: &str, hash: &str, wait_ms: &str) -> Reply {
@@ -269,7 +300,7 @@ async fn bad_requests_get_400() {
 async fn full_memory_backend_answers_503() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let app = idemstore::http::router(Arc::new(Store::new(MemoryBackend::new(1))), 1024);
+    let app = idemstore::http::router(Arc::new(Store::new(MemoryBackend::new(1))), Options::new(1024));
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     let client = Client::new(addr, Version::H2c).await;
     let hash = common::hash('a');
@@ -277,4 +308,219 @@ async fn full_memory_backend_answers_503() {
     let full = client.begin(&common::key(), &hash, "1").await;
     assert_eq!(full.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(full.outcome().is_empty());
+}
+
+const SECRET: &str = "s3cret-Value_with~punctuation!";
+
+fn begin_headers<'a>(key: &'a str, hash: &'a str) -> Vec<(&'static str, &'a str)> {
+    vec![
+        (proto::HEADER_KEY, key),
+        (proto::HEADER_BODY_HASH, hash),
+        (proto::HEADER_LOCK_TTL_MS, "30000"),
+        (proto::HEADER_WAIT_MS, "1"),
+    ]
+}
+
+async fn secret_required(version: Version) {
+    let backend = MemoryBackend::new(1000);
+    let guard = Arc::new(Guard::new(Secret::new(SECRET).unwrap()));
+    let options = Options { max_body_bytes: 1024, secret: Some(Arc::clone(&guard)) };
+    let addr = serve_with(backend.clone(), options).await;
+    let bare = Client::new(addr, version).await;
+    let right = bare.with_secret(Some(SECRET));
+    let (key, hash) = (common::key(), common::hash('a'));
+    let begin = begin_headers(&key, &hash);
+
+    // Missing, wrong (a prefix, a longer value, another case, empty), repeated: 401, no work.
+    let mut refused = vec![bare.call("POST", proto::PATH_BEGIN, &begin, Bytes::new()).await];
+    for wrong in ["s3cret-Value", "s3cret-Value_with~punctuation!!", "S3CRET-VALUE_WITH~PUNCTUATION!", ""] {
+        let mut headers = begin.clone();
+        headers.push((proto::HEADER_SECRET, wrong));
+        refused.push(bare.call("POST", proto::PATH_BEGIN, &headers, Bytes::new()).await);
+    }
+    let mut twice = begin.clone();
+    twice.push((proto::HEADER_SECRET, SECRET));
+    refused.push(right.call("POST", proto::PATH_BEGIN, &twice, Bytes::new()).await);
+    // Before the body limit (a record over it) and before routing (an unknown path).
+    let commit = [
+        (proto::HEADER_KEY, key.as_str()),
+        (proto::HEADER_TOKEN, "t"),
+        (proto::HEADER_BODY_HASH, hash.as_str()),
+        (proto::HEADER_RETENTION_S, "60"),
+    ];
+    refused.push(bare.call("POST", proto::PATH_COMMIT, &commit, Bytes::from(vec![b'x'; 100])).await);
+    refused.push(bare.call("POST", proto::PATH_COMMIT, &commit, Bytes::from(vec![b'x'; 4096])).await);
+    let release = [(proto::HEADER_KEY, key.as_str()), (proto::HEADER_TOKEN, "t")];
+    refused.push(bare.call("POST", proto::PATH_RELEASE, &release, Bytes::new()).await);
+    refused.push(bare.call("POST", "/v1/nope", &[], Bytes::new()).await);
+    refused.push(bare.call("GET", proto::PATH_BEGIN, &[], Bytes::new()).await);
+    for reply in &refused {
+        assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(&reply.body[..], b"missing or wrong x-idem-secret");
+        assert!(reply.outcome().is_empty());
+    }
+    assert_eq!(guard.refused(), refused.len() as u64);
+    assert!(backend.is_empty(), "a refused request reached the backend");
+
+    // The health check needs no secret (and ignores a wrong one).
+    let health = bare.call("GET", proto::PATH_HEALTH, &[], Bytes::new()).await;
+    assert_eq!((health.status, &health.body[..]), (StatusCode::OK, &b"ok"[..]));
+    let health = bare.with_secret(Some("wrong")).call("GET", proto::PATH_HEALTH, &[], Bytes::new()).await;
+    assert_eq!(health.status, StatusCode::OK);
+
+    // The right secret: the protocol as usual, and routing answers as usual.
+    let locked = right.begin(&key, &hash, "1").await;
+    assert_eq!((locked.status, locked.outcome()), (StatusCode::OK, "locked"));
+    let stored = right.commit(&key, &locked.token(), &hash, Bytes::from_static(b"rec")).await;
+    assert_eq!(stored.outcome(), "stored");
+    assert_eq!(right.begin(&key, &hash, "1").await.body, Bytes::from_static(b"rec"));
+    assert_eq!(right.call("POST", "/v1/nope", &[], Bytes::new()).await.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        right.call("GET", proto::PATH_BEGIN, &[], Bytes::new()).await.status,
+        StatusCode::METHOD_NOT_ALLOWED
+    );
+    assert_eq!(guard.refused(), refused.len() as u64);
+}
+
+#[tokio::test]
+async fn secret_is_required_on_every_path_but_healthz_http1() {
+    secret_required(Version::H1).await;
+}
+
+#[tokio::test]
+async fn secret_is_required_on_every_path_but_healthz_h2c() {
+    secret_required(Version::H2c).await;
+}
+
+/// Every field of every operation: missing, repeated or malformed is a `400` that names it,
+/// and the backend is never touched.
+#[tokio::test]
+async fn every_field_is_validated_before_the_backend() {
+    let backend = MemoryBackend::new(1000);
+    let addr = serve_with(backend.clone(), Options::new(1024)).await;
+    let client = Client::new(addr, Version::H2c).await;
+    let (key, hash) = (common::key(), common::hash('a'));
+    let ttl_max = (proto::MAX_LOCK_TTL_MS + 1).to_string();
+    let wait_max = (proto::MAX_WAIT_MS + 1).to_string();
+    let retention_max = (proto::MAX_RETENTION_S + 1).to_string();
+    let long_token = "t".repeat(proto::MAX_TOKEN_LEN + 1);
+    let hex_bad = [
+        "",
+        &key[..63],
+        &format!("{key}0"),
+        &key.to_uppercase(),
+        &format!("{}g", &key[..63]),
+        &format!("{} ", &key[..63]),
+        "0x00",
+    ]
+    .map(str::to_owned);
+    let number_bad = |max: &str| {
+        ["", "0", max, "-1", "+5", "1.5", "1e3", "abc", " 5", "99999999999999999999999"].map(str::to_owned)
+    };
+    let token_bad = ["", "a b", "tok!", "t/k", long_token.as_str()].map(str::to_owned);
+
+    // (path, a valid header set, each header with its bad values)
+    type Field = (&'static str, Vec<String>);
+    type Operation<'a> = (&'a str, Vec<(&'a str, String)>, Vec<Field>);
+    let commit_headers = vec![
+        (proto::HEADER_KEY, key.clone()),
+        (proto::HEADER_TOKEN, "tok".to_owned()),
+        (proto::HEADER_BODY_HASH, hash.clone()),
+        (proto::HEADER_RETENTION_S, "60".to_owned()),
+    ];
+    let operations: Vec<Operation> = vec![
+        (
+            proto::PATH_BEGIN,
+            begin_headers(&key, &hash).into_iter().map(|(n, v)| (n, v.to_owned())).collect(),
+            vec![
+                (proto::HEADER_KEY, hex_bad.to_vec()),
+                (proto::HEADER_BODY_HASH, hex_bad.to_vec()),
+                (proto::HEADER_LOCK_TTL_MS, number_bad(&ttl_max).to_vec()),
+                (proto::HEADER_WAIT_MS, number_bad(&wait_max).to_vec()),
+            ],
+        ),
+        (
+            proto::PATH_COMMIT,
+            commit_headers,
+            vec![
+                (proto::HEADER_KEY, hex_bad.to_vec()),
+                (proto::HEADER_TOKEN, token_bad.to_vec()),
+                (proto::HEADER_BODY_HASH, hex_bad.to_vec()),
+                (proto::HEADER_RETENTION_S, number_bad(&retention_max).to_vec()),
+            ],
+        ),
+        (
+            proto::PATH_RELEASE,
+            vec![(proto::HEADER_KEY, key.clone()), (proto::HEADER_TOKEN, "tok".to_owned())],
+            vec![(proto::HEADER_KEY, hex_bad.to_vec()), (proto::HEADER_TOKEN, token_bad.to_vec())],
+        ),
+    ];
+    let mut cases = 0;
+    for (path, valid, fields) in &operations {
+        let body = if *path == proto::PATH_COMMIT { Bytes::from_static(b"rec") } else { Bytes::new() };
+        for (field, bad_values) in fields {
+            let others = valid.iter().filter(|(n, _)| n != field);
+            let missing: Vec<(&str, &str)> = others.clone().map(|(n, v)| (*n, v.as_str())).collect();
+            let good = &valid.iter().find(|(n, _)| n == field).unwrap().1;
+            let mut variants = vec![("missing", missing.clone())];
+            let mut repeated = missing.clone();
+            repeated.extend([(*field, good.as_str()), (*field, good.as_str())]);
+            variants.push(("repeated", repeated));
+            for bad in bad_values {
+                let mut headers = missing.clone();
+                headers.push((*field, bad.as_str()));
+                variants.push((bad.as_str(), headers));
+            }
+            for (what, headers) in variants {
+                let reply = client.call("POST", path, &headers, body.clone()).await;
+                let text = String::from_utf8_lossy(&reply.body);
+                assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{path} {field} {what:?}: {text}");
+                assert!(text.contains(field), "{path} {field} {what:?}: the answer must name it: {text}");
+                assert!(reply.outcome().is_empty());
+                cases += 1;
+            }
+        }
+    }
+    // The record itself: a commit needs one.
+    let empty = client.commit(&key, "tok", &hash, Bytes::new()).await;
+    assert_eq!(empty.status, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&empty.body).contains("record"));
+    assert_eq!(cases, 95);
+    assert!(backend.is_empty(), "an invalid request reached the backend");
+
+    // The control: the valid sets pass.
+    assert_eq!(client.begin(&key, &hash, "1").await.outcome(), "locked");
+}
+
+/// Bodies: none on `begin`/`release`, at most `max_body_bytes` on `commit`; neither stores
+/// anything when refused. Oversized heads are refused by the codec.
+#[tokio::test]
+async fn size_limits() {
+    let backend = MemoryBackend::new(1000);
+    let addr = serve_with(backend.clone(), Options::new(1024)).await;
+    let (key, hash) = (common::key(), common::hash('a'));
+    for version in [Version::H1, Version::H2c] {
+        let client = Client::new(addr, version).await;
+        let begin = begin_headers(&key, &hash);
+        let with_body = client.call("POST", proto::PATH_BEGIN, &begin, Bytes::from_static(b"x")).await;
+        assert_eq!(with_body.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let release = [(proto::HEADER_KEY, key.as_str()), (proto::HEADER_TOKEN, "tok")];
+        let with_body = client.call("POST", proto::PATH_RELEASE, &release, Bytes::from_static(b"x")).await;
+        assert_eq!(with_body.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let big = client.commit(&key, "tok", &hash, Bytes::from(vec![b'x'; 1025])).await;
+        assert_eq!(big.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(backend.is_empty(), "{}", backend.len());
+    }
+
+    // HTTP/1.1: a head past hyper's buffer (about 400 KiB) is refused with 431.
+    let client = Client::new(addr, Version::H1).await;
+    let huge = "h".repeat(512 * 1024);
+    let reply = client.try_call("GET", proto::PATH_HEALTH, &[("x-huge", &huge)], Bytes::new()).await;
+    assert_eq!(reply.unwrap().status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    // h2c: past the advertised 16 KiB header list, 431 too.
+    let client = Client::new(addr, Version::H2c).await;
+    let large = "h".repeat(20 * 1024);
+    let reply = client.call("GET", proto::PATH_HEALTH, &[("x-large", &large)], Bytes::new()).await;
+    assert_eq!(reply.status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    assert!(backend.is_empty());
 }

@@ -12,6 +12,11 @@
 //!
 //! Any other status, or a `200` without a known outcome, is a store fault: the filter fails
 //! open (or closed, by configuration) and counts it.
+//!
+//! When idemstore is given a shared secret, every request but `GET /healthz` carries it in
+//! [`HEADER_SECRET`]; without it, or with another value, the store answers `401` and does nothing
+//! else. Every header value is validated before the store touches its backend: a missing,
+//! repeated or malformed one is a `400` that names the header.
 
 pub const PATH_BEGIN: &str = "/v1/begin";
 pub const PATH_COMMIT: &str = "/v1/commit";
@@ -32,11 +37,15 @@ pub const HEADER_RETENTION_S: &str = "x-idem-retention-s";
 pub const HEADER_TOKEN: &str = "x-idem-token";
 /// The operation's outcome, one of the outcome enums' wire names.
 pub const HEADER_OUTCOME: &str = "x-idem-outcome";
+/// The shared secret idemstore may require on every request but its health check (see
+/// [`is_secret`] for its form). Sent by the filter when `store_secret` is configured.
+pub const HEADER_SECRET: &str = "x-idem-secret";
 
 pub const MAX_LOCK_TTL_MS: u64 = 3_600_000;
 pub const MAX_WAIT_MS: u64 = 60_000;
 pub const MAX_RETENTION_S: u64 = 604_800;
 pub const MAX_TOKEN_LEN: usize = 64;
+pub const MAX_SECRET_LEN: usize = 256;
 
 macro_rules! wire_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $wire:literal),+ $(,)? }) => {
@@ -103,6 +112,13 @@ pub fn is_token(s: &[u8]) -> bool {
         && s.iter().all(|b| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_')
 }
 
+/// True for a shared secret both sides accept: 1 to 256 visible ASCII characters (`%x21-7E`).
+/// No spaces, so that no proxy or HTTP library can trim or fold the header value into another
+/// secret; ASCII, so that it is the same bytes in an Envoy config, a file and a header.
+pub fn is_secret(s: &[u8]) -> bool {
+    !s.is_empty() && s.len() <= MAX_SECRET_LEN && s.iter().all(|b| matches!(b, 0x21..=0x7e))
+}
+
 /// Parses a decimal header value into `1..=max`.
 pub fn parse_bounded(s: &[u8], max: u64) -> Option<u64> {
     if s.is_empty() || s.len() > 20 || !s.iter().all(u8::is_ascii_digit) {
@@ -139,5 +155,14 @@ mod tests {
         assert_eq!(parse_bounded(b"11", 10), None);
         assert_eq!(parse_bounded(b"-1", 10), None);
         assert_eq!(parse_bounded(b"99999999999999999999999", u64::MAX), None);
+        assert_eq!(parse_bounded(b"+5", 10), None);
+        assert_eq!(parse_bounded(b" 5", 10), None);
+        assert!(is_secret(b"s3cr3t!~"));
+        assert!(is_secret(&[b'x'; MAX_SECRET_LEN]));
+        assert!(!is_secret(&[b'x'; MAX_SECRET_LEN + 1]));
+        assert!(!is_secret(b""));
+        assert!(!is_secret(b"two words"));
+        assert!(!is_secret(b"tab\t"));
+        assert!(!is_secret("caf\u{e9}".as_bytes()));
     }
 }
