@@ -40,6 +40,9 @@ ANSWERS: dict[str, Answer] = {
     # Kept headers whose values are not UTF-8 / not visible ASCII.
     "location_latin1": Answer(framed(JSON_HEAD + b"location: /caf\xe9\r\n", b'{"id":2}'), 201, True),
     "location_utf8": Answer(framed(JSON_HEAD + "location: /caf\u00e9\r\n".encode(), b'{"id":3}'), 201, True),
+    # A session cookie and hop-by-hop headers are passed on to this client, never replayed.
+    "set_cookie": Answer(framed(JSON_HEAD + b"set-cookie: session=abc; HttpOnly\r\nset-cookie: b=2\r\n"
+                                b"keep-alive: timeout=5\r\nproxy-authenticate: Basic\r\n", b'{"id":11}'), 201, True),
     "location_twice": Answer(framed(JSON_HEAD + b"location: /a\r\nlocation: /b\r\n", b'{"id":4}'), 201, True),
     "content_type_garbage": Answer(framed(b"HTTP/1.1 201 Created\r\ncontent-type: application/json\xff\xfe\r\n",
                                           b'{"id":5}'), 201, False),
@@ -180,6 +183,10 @@ def test_upstream_answer_the_filter_cannot_use(raw_stack, name):
     if answer.stored:
         assert again is not None and again.header(REPLAY) == "true", again
         assert again.status == first.status and again.body == first.body, (again, first)
+        for header in ("set-cookie", "keep-alive", "proxy-authenticate"):
+            assert again.header(header) is None, (header, again)
+        if name == "set_cookie":
+            assert first.header_all("set-cookie") == ["session=abc; HttpOnly", "b=2"], first
         assert up.count(path) == 1
     else:
         assert again is None or again.header(REPLAY) is None, again
