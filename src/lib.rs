@@ -1,7 +1,8 @@
 //! Idempotency-Key filter for Envoy.
 //!
 //! The pure core (everything but [`host`]) has no proxy-wasm dependency and is unit-tested
-//! natively; `host` is the thin layer that talks to Envoy.
+//! natively; `host` is the thin layer that talks to Envoy. [`sim`] is test support: a scripted
+//! host that drives the state machine and checks its invariants (unit tests and `fuzz/`).
 
 pub mod config;
 pub mod detached;
@@ -11,6 +12,7 @@ pub mod machine;
 pub mod metrics;
 pub mod problem;
 pub mod record;
+pub mod sim;
 pub mod store;
 
 #[cfg(target_arch = "wasm32")]

@@ -23,7 +23,7 @@ use crate::headers;
 use crate::key;
 use crate::metrics::Metric;
 use crate::problem::{self, LocalResponse};
-use crate::record::Record;
+use crate::record::{self, Record};
 use crate::store::{BeginAnswer, StoreCall, StoreFault};
 
 /// What the machine may read from the host, lazily: a request that is not guarded costs one
@@ -216,9 +216,18 @@ impl Stream {
         }
         self.state = State::Hashing { key, hasher: Sha256::new(), seen: 0 };
         if end_of_stream {
+            // Without a body there is nothing Envoy must deliver while the request waits, so a
+            // stop on headers works with or without `allow_on_headers_stop_iteration`.
             effects.extend(self.begin());
+            return Step::pause(effects);
         }
-        Step::pause(effects)
+        if self.cfg.pause_on_headers {
+            Step::pause(effects)
+        } else {
+            // The headers go on to the buffer filter after this one, which holds them until the
+            // body this filter pauses is let through (see `Config::pause_on_headers`).
+            Step::go(effects)
+        }
     }
 
     pub fn on_request_body(&mut self, view: &dyn StreamView, buffered: usize, end_of_stream: bool) -> Step {
@@ -345,18 +354,16 @@ impl Stream {
                 let content_type = first(view.response_header("content-type"));
                 let declared = first(view.response_header("content-length"))
                     .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
+                let recorded = self.allowed_headers(view);
                 let storable = (200..=299).contains(&status)
                     && content_type.as_deref().is_none_or(headers::is_json_content_type)
-                    && declared.is_none_or(|n| n <= self.cfg.max_record_bytes as u64);
+                    && declared.is_none_or(|n| n <= self.cfg.max_record_bytes as u64)
+                    && record::headers_fit(&recorded);
                 if !storable {
                     return Step::go(release(key, token));
                 }
-                let capture = Capture {
-                    status,
-                    headers: self.allowed_headers(view),
-                    body: Vec::new(),
-                    untyped: content_type.is_none(),
-                };
+                let capture =
+                    Capture { status, headers: recorded, body: Vec::new(), untyped: content_type.is_none() };
                 self.state = State::Capturing { key, body_hash, token, capture };
                 if end_of_stream {
                     return Step::go(self.finish_capture());
@@ -478,19 +485,20 @@ impl Stream {
         if !gone {
             effects.push(Effect::Respond(answer.to_local_response()));
         }
+        let headers = self.record_headers(|name| {
+            answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+        });
         let storable = (200..=299).contains(&answer.status)
             && match answer.header("content-type") {
                 Some(ct) => headers::is_json_content_type(ct),
                 None => answer.body.is_empty(),
             }
-            && answer.body.len() <= self.cfg.max_record_bytes;
+            && answer.body.len() <= self.cfg.max_record_bytes
+            && record::headers_fit(&headers);
         if !storable {
             effects.extend(release(key, token));
             return effects;
         }
-        let headers = self.record_headers(|name| {
-            answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
-        });
         let record = Record { status: answer.status, headers, body: answer.body };
         effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
         if gone {

@@ -1,66 +1,8 @@
 use super::*;
 use crate::detached::{UpstreamAnswer, UpstreamCall};
 use crate::key::hex;
+use crate::sim::{Driver, Event, MockView, Tally};
 use crate::store::BeginAnswer;
-use std::collections::HashMap;
-
-/// A scripted host: headers, properties and bodies the test sets.
-#[derive(Default)]
-struct MockView {
-    request: Vec<(String, Vec<u8>)>,
-    response: Vec<(String, Vec<u8>)>,
-    props: HashMap<String, Vec<u8>>,
-    request_body: Vec<u8>,
-    response_chunk: Vec<u8>,
-}
-
-impl MockView {
-    fn post(key: Option<&str>) -> MockView {
-        let mut v = MockView::default();
-        v.req(":method", "POST").req(":path", "/orders?x=1");
-        if let Some(k) = key {
-            v.req("idempotency-key", k);
-        }
-        v.prop("source.address", "127.0.0.1:40000");
-        v
-    }
-
-    fn req(&mut self, name: &str, value: &str) -> &mut Self {
-        self.request.push((name.into(), value.as_bytes().to_vec()));
-        self
-    }
-
-    fn resp(&mut self, name: &str, value: &str) -> &mut Self {
-        self.response.push((name.into(), value.as_bytes().to_vec()));
-        self
-    }
-
-    fn prop(&mut self, path: &str, value: &str) -> &mut Self {
-        self.props.insert(path.into(), value.as_bytes().to_vec());
-        self
-    }
-}
-
-impl StreamView for MockView {
-    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
-        self.request.clone()
-    }
-    fn request_header(&self, name: &str) -> Vec<Vec<u8>> {
-        self.request.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
-    }
-    fn response_header(&self, name: &str) -> Vec<Vec<u8>> {
-        self.response.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
-    }
-    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        self.props.get(&path.join(".")).cloned()
-    }
-    fn request_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
-        self.request_body.get(start..start + len).map(<[u8]>::to_vec)
-    }
-    fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
-        self.response_chunk.get(start..start + len).map(<[u8]>::to_vec)
-    }
-}
 
 fn cfg(extra: &str) -> Rc<Config> {
     let json =
@@ -365,6 +307,60 @@ fn unstorable_responses_release_the_lock() {
     }
 }
 
+/// Found by `fuzz/` (`machine`): a record with more headers, or longer ones, than `decode` takes
+/// back was committed, and then every replay of its key failed as store garbage.
+#[test]
+fn headers_a_record_cannot_hold_release_the_lock() {
+    let link = r#","replay_headers":["content-type","location","link"]"#;
+    // With content-type and location: 64 headers fit, 65 do not.
+    let too_many: Vec<String> = (0..63).map(|i| format!("</{i}>; rel=x")).collect();
+    let too_long = "/".repeat(crate::record::MAX_HEADER_VALUE + 1);
+    let cases: [(&[String], &str, bool); 4] = [
+        (&too_many[..62], "/orders/1", true),
+        (&too_many, "/orders/1", false),
+        (&[], &too_long[1..], true),
+        (&[], &too_long, false),
+    ];
+    for (links, location, stored) in cases {
+        let (mut s, key) = executing(link);
+        let mut v = MockView::default();
+        v.resp(":status", "201").resp("content-type", "application/json").resp("location", location);
+        for l in links {
+            v.resp("link", l);
+        }
+        let step = s.on_response_headers(&v, true);
+        if stored {
+            let [Effect::Store(StoreCall::Commit { record, .. })] = step.effects.as_slice() else {
+                panic!("{:?}", step.effects)
+            };
+            assert_eq!(Record::decode(record).unwrap().headers.len(), 2 + links.len());
+        } else {
+            assert_eq!(
+                step,
+                Step::go(release_of(&key)),
+                "{} links, location of {}",
+                links.len(),
+                location.len()
+            );
+        }
+
+        // The same answer to a detached execution.
+        let (mut s, key, _) = detached_locked_with(link);
+        let mut headers = vec![
+            (":status".to_string(), b"201".to_vec()),
+            ("content-type".to_string(), b"application/json".to_vec()),
+            ("location".to_string(), location.as_bytes().to_vec()),
+        ];
+        headers.extend(links.iter().map(|l| ("link".to_string(), l.as_bytes().to_vec())));
+        let effects = s.on_upstream_answer(UpstreamAnswer::decode(headers, b"{}".to_vec()));
+        if stored {
+            assert!(matches!(effects.get(1), Some(Effect::Store(StoreCall::Commit { .. }))), "{effects:?}");
+        } else {
+            assert_eq!(effects[1..], release_of(&key)[..]);
+        }
+    }
+}
+
 #[test]
 fn untyped_body_and_oversized_stream_release_at_the_end() {
     let (mut s, key) = executing("");
@@ -440,8 +436,9 @@ fn envoy_answering_while_begin_is_pending_orphans_the_call() {
     assert_eq!(s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() })), release_of(&key));
 }
 
-/// Random event sequences: the machine never answers twice, never resumes after answering, and
-/// every lock it is handed ends in exactly one commit or release.
+/// Random event sequences through the shared driver ([`crate::sim`]), which checks after every
+/// event that the machine never answers twice, never resumes after answering, and that every lock
+/// it is handed ends in exactly one commit or release. `fuzz/` runs the same driver for longer.
 #[test]
 fn random_event_sequences_keep_the_invariants() {
     let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -451,101 +448,82 @@ fn random_event_sequences_keep_the_invariants() {
         seed ^= seed << 17;
         seed % n
     };
+    let mut seen = Tally::default();
     for _ in 0..5000 {
-        let mut s = Stream::new(cfg([r#""#, r#","failure_mode":"closed""#, DETACHED][next(3) as usize]));
         let mut v = MockView::post(if next(5) == 0 { None } else { Some("k") });
         v.prop("xds.cluster_name", "app");
         v.request_body = vec![b'x'; 120];
-        v.response_chunk = vec![b'y'; 40];
-        let statuses = ["200", "201", "204", "500", "302"];
-        v.resp(":status", statuses[next(5) as usize]);
-        if next(2) == 0 {
-            v.resp("content-type", "application/json");
-        }
-        let mut responded = 0;
-        let mut resumed = false;
-        let mut locks = 0;
-        let mut settled_locks = 0;
-        let mut tally = |effects: &[Effect], responded: &mut i32, resumed: &mut bool| {
-            for e in effects {
-                match e {
-                    Effect::Respond(_) => *responded += 1,
-                    Effect::Resume => {
-                        assert_eq!(*responded, 0, "resume after a local answer");
-                        *resumed = true;
-                    }
-                    Effect::Store(StoreCall::Commit { .. } | StoreCall::Release { .. }) => settled_locks += 1,
-                    _ => {}
-                }
-            }
-        };
-        let mut trace = Vec::new();
+        let mut d = Driver::new(cfg([r#""#, r#","failure_mode":"closed""#, DETACHED][next(3) as usize]), v);
         for _ in 0..12 {
-            let ev = next(10);
-            trace.push(ev);
-            let effects = match ev {
-                0 => s.on_request_headers(&v, next(2) == 0).effects,
-                1 => s.on_request_body(&v, next(121) as usize, next(2) == 0).effects,
-                2 => s.on_request_trailers().effects,
-                3 => {
-                    let answer = match next(6) {
-                        0 => Ok(BeginAnswer::Busy),
-                        1 => Ok(BeginAnswer::Mismatch),
-                        2 => Ok(BeginAnswer::Replay(Record { status: 200, headers: vec![], body: vec![] })),
-                        3 => Err(StoreFault::Reset),
-                        _ => {
-                            let pending = matches!(s.state, State::Beginning { .. } | State::Orphaned { .. });
-                            if pending {
-                                locks += 1;
-                            }
-                            Ok(BeginAnswer::Locked { token: "t".into() })
-                        }
-                    };
-                    s.on_begin_answer(answer)
+            let event = match next(10) {
+                0 => Event::RequestHeaders { end_of_stream: next(2) == 0 },
+                1 => Event::RequestBody { buffered: next(121) as usize, end_of_stream: next(2) == 0 },
+                2 => Event::RequestTrailers,
+                3 => Event::BeginAnswer(match next(6) {
+                    0 => Ok(BeginAnswer::Busy),
+                    1 => Ok(BeginAnswer::Mismatch),
+                    2 => Ok(BeginAnswer::Replay(Record { status: 200, headers: vec![], body: vec![] })),
+                    3 => Err(StoreFault::Reset),
+                    _ => Ok(BeginAnswer::Locked { token: String::new() }),
+                }),
+                4 | 5 => {
+                    let mut headers = vec![(
+                        ":status".to_string(),
+                        ["200", "201", "204", "500", "302"][next(5) as usize].as_bytes().to_vec(),
+                    )];
+                    if next(2) == 0 {
+                        headers.push(("content-type".into(), b"application/json".to_vec()));
+                    }
+                    Event::ResponseHeaders { headers, end_of_stream: next(3) == 0 }
                 }
-                4 | 5 => s.on_response_headers(&v, next(3) == 0).effects,
-                6 | 7 => s.on_response_body(&v, next(41) as usize, next(3) == 0).effects,
-                8 => s.on_response_trailers().effects,
-                9 if next(2) == 0 => {
-                    let a = ["201", "500"][next(2) as usize];
-                    s.on_upstream_answer(if next(4) == 0 {
-                        Err(StoreFault::Timeout)
-                    } else {
-                        Ok(answer(a, None, b""))
-                    })
+                6 | 7 => {
+                    Event::ResponseBody { chunk: vec![b'y'; next(41) as usize], end_of_stream: next(3) == 0 }
                 }
-                _ => s.on_stream_end(),
+                8 => Event::ResponseTrailers,
+                9 if next(2) == 0 => Event::UpstreamAnswer(if next(4) == 0 {
+                    Err(StoreFault::Timeout)
+                } else {
+                    Ok(answer(["201", "500"][next(2) as usize], None, b""))
+                }),
+                _ => Event::StreamEnd,
             };
-            tally(&effects, &mut responded, &mut resumed);
-        }
-        let effects = s.on_stream_end();
-        tally(&effects, &mut responded, &mut resumed);
-        if !s.is_settled() {
-            // A call still pending when the test stops: its answer settles it.
-            if matches!(s.state, State::Detached { .. }) {
-                let effects = s.on_upstream_answer(Ok(answer("201", None, b"")));
-                tally(&effects, &mut responded, &mut resumed);
-            } else {
-                let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t".into() }));
-                locks += 1;
-                tally(&effects, &mut responded, &mut resumed);
+            if let Err(e) = d.step(event) {
+                panic!("{e}");
             }
         }
-        assert!(responded <= 1, "two local answers");
-        assert_eq!(
-            locks, settled_locks,
-            "every lock is committed or released exactly once: {trace:?} {:?}",
-            s.state
-        );
-        assert!(s.is_settled());
+        if let Err(e) = d.finish() {
+            panic!("{e}");
+        }
+        let t = d.tally;
+        for (sum, n) in [
+            (&mut seen.responds, t.responds),
+            (&mut seen.resumes, t.resumes),
+            (&mut seen.upstreams, t.upstreams),
+            (&mut seen.begins, t.begins),
+            (&mut seen.commits, t.commits),
+            (&mut seen.releases, t.releases),
+        ] {
+            *sum += n;
+        }
     }
+    // The sample reaches every path, so the invariants above were checked on each.
+    assert!(
+        [seen.responds, seen.resumes, seen.upstreams, seen.begins, seen.commits, seen.releases]
+            .iter()
+            .all(|&n| n >= 20),
+        "{seen:?}"
+    );
 }
 
 const DETACHED: &str = r#","detached_execution":true,"store_key_header":"x-store-key""#;
 
 /// A detached stream that has taken the lock: returns the stream, the store key and the call.
 fn detached_locked() -> (Stream, String, UpstreamCall) {
-    let mut s = Stream::new(cfg(DETACHED));
+    detached_locked_with("")
+}
+
+fn detached_locked_with(extra: &str) -> (Stream, String, UpstreamCall) {
+    let mut s = Stream::new(cfg(&format!("{DETACHED}{extra}")));
     let mut v = MockView::post(Some("k1"));
     v.req("x-request-id", "rid-1").req("content-length", "2").req("x-store-key", "forged");
     v.prop("xds.cluster_name", "app");
@@ -668,4 +646,62 @@ fn store_key_header_is_set_for_guarded_and_removed_from_other_requests() {
         s.on_request_headers(&MockView::post(None), true).effects,
         vec![Effect::Count(Metric::Passthrough)]
     );
+}
+
+#[test]
+fn subjects_that_are_not_utf8_stay_distinct() {
+    // A numeric claim reaches the filter as the 8 bytes of a double: 1000.0 and 2000.0 differ
+    // only in bytes that are not UTF-8, and must still be two callers.
+    let meta = r#","subject":{"metadata":{"filter":"authn","path":["uid"]}}"#;
+    let key_for = |uid: f64| {
+        let mut v = MockView::post(Some("k"));
+        v.props.insert("metadata.filter_metadata.authn.uid".into(), uid.to_le_bytes().to_vec());
+        let mut s = Stream::new(cfg(meta));
+        begin_call(&s.on_request_headers(&v, true).effects).0
+    };
+    assert_ne!(key_for(1000.0), key_for(2000.0));
+    assert_ne!(key_for(1.0), key_for(1.25));
+    assert_eq!(key_for(1000.0), key_for(1000.0));
+    let bytes = 1000.0f64.to_le_bytes();
+    assert_eq!(
+        key_for(1000.0),
+        crate::key::store_key(&format!("idx:{}", hex(&bytes)), "POST", "/orders", "k")
+    );
+}
+
+#[test]
+fn methods_are_guarded_without_regard_to_case() {
+    let key_for = |method: &str| {
+        let mut v = MockView::post(Some("k"));
+        v.request[0].1 = method.as_bytes().to_vec();
+        let mut s = Stream::new(cfg(""));
+        let step = s.on_request_headers(&v, true);
+        assert_eq!(counts(&step.effects), vec![Metric::Guarded], "{method}");
+        begin_call(&step.effects).0
+    };
+    // `post` shares its records with `POST`.
+    assert_eq!(key_for("post"), key_for("POST"));
+    assert_eq!(key_for("Patch"), crate::key::store_key("anon:127.0.0.1", "PATCH", "/orders", "k"));
+}
+
+#[test]
+fn without_pause_on_headers_the_body_is_held_instead() {
+    // Istio's mode: headers with a body go on (a buffer filter after this one holds them); the
+    // body is held until the store answers.
+    let mut s = Stream::new(cfg(r#","pause_on_headers":false"#));
+    let mut v = MockView::post(Some("k"));
+    v.request_body = b"{}".to_vec();
+    let step = s.on_request_headers(&v, false);
+    assert_eq!(step.action, Action::Continue);
+    assert_eq!(counts(&step.effects), vec![Metric::Guarded]);
+    let step = s.on_request_body(&v, 1, false);
+    assert_eq!(step, Step::pause(vec![]));
+    let step = s.on_request_body(&v, 2, true);
+    assert_eq!(step.action, Action::Pause);
+    assert_eq!(begin_call(&step.effects).1, sha_hex(b"{}"));
+    let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() }));
+    assert_eq!(effects, vec![Effect::Resume, Effect::Count(Metric::Executed)]);
+    // A request without a body still stops on its headers: nothing else has to arrive.
+    let mut s = Stream::new(cfg(r#","pause_on_headers":false"#));
+    assert_eq!(s.on_request_headers(&MockView::post(Some("k")), true).action, Action::Pause);
 }

@@ -12,8 +12,8 @@
 use crate::headers;
 
 const MAGIC: &[u8; 4] = b"IDR1";
-const MAX_HEADERS: usize = 64;
-const MAX_HEADER_VALUE: usize = 16 * 1024;
+pub const MAX_HEADERS: usize = 64;
+pub const MAX_HEADER_VALUE: usize = 16 * 1024;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
@@ -75,6 +75,14 @@ impl Record {
         }
         Ok(Record { status, headers, body: r.0.to_vec() })
     }
+}
+
+/// True when response headers fit a record: as many and as long as [`Record::decode`] takes back.
+/// A response whose allow-listed headers do not fit is not stored, like a body over
+/// `max_record_bytes`: a record that cannot be decoded would fail every replay of its key.
+pub fn headers_fit(headers: &[(String, String)]) -> bool {
+    headers.len() <= MAX_HEADERS
+        && headers.iter().all(|(n, v)| n.len() <= usize::from(u16::MAX) && v.len() <= MAX_HEADER_VALUE)
 }
 
 struct Reader<'a>(&'a [u8]);

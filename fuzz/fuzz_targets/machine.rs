@@ -1,0 +1,308 @@
+//! The per-request state machine fed random configurations, requests and event sequences through
+//! the shared driver (`idempotency_filter::sim`), which checks after every event: at most one
+//! local answer and one execution (never both a local answer and a resume, nothing after the
+//! stream ended), one well-formed `begin`, every granted lock committed or released exactly once,
+//! committed records that replay, answers to calls not pending ignored, and a settled stream once
+//! every pending call is answered. The unit test `random_event_sequences_keep_the_invariants`
+//! runs the same driver on a fixed pseudo-random sample.
+
+#![no_main]
+
+use std::rc::Rc;
+
+use arbitrary::Arbitrary;
+use fuzz_common::{ArbRecord, Bytes, Name, Status};
+use idempotency_filter::config::Config;
+use idempotency_filter::detached::UpstreamAnswer;
+use idempotency_filter::sim::{Driver, Event, MockView};
+use idempotency_filter::store::{BeginAnswer, StoreFault};
+use libfuzzer_sys::fuzz_target;
+
+const MAX_EVENTS: usize = 48;
+const SIZES: [usize; 6] = [0, 1, 8, 50, 100, 1_048_576];
+const REPLAY_HEADERS: [&str; 4] = ["content-type", "location", "etag", "link"];
+
+#[derive(Arbitrary, Debug)]
+struct Knobs {
+    failure_closed: bool,
+    detached: bool,
+    store_key_header: bool,
+    require_key: bool,
+    methods_put: bool,
+    max_key_length: u8,
+    max_body: u8,
+    max_record: u8,
+    /// Bit i: `REPLAY_HEADERS[i]` is allow-listed.
+    replay_headers: u8,
+    /// 0: client IP, 1: a header, 2: JWT metadata.
+    subject: u8,
+}
+
+impl Knobs {
+    fn config(&self) -> Option<Config> {
+        let replay: Vec<&str> = REPLAY_HEADERS
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| self.replay_headers & (1 << i) != 0)
+            .map(|(_, h)| *h)
+            .collect();
+        let mut json = serde_json::json!({
+            "store_cluster": "idemstore",
+            "failure_mode": if self.failure_closed { "closed" } else { "open" },
+            "detached_execution": self.detached,
+            "require_key": self.require_key,
+            "max_key_length": u64::from(self.max_key_length) + 1,
+            "max_body_bytes": SIZES[usize::from(self.max_body) % SIZES.len()],
+            "max_record_bytes": SIZES[usize::from(self.max_record) % SIZES.len()],
+            "replay_headers": replay,
+        });
+        if self.store_key_header {
+            json["store_key_header"] = "x-store-key".into();
+        }
+        if self.methods_put {
+            json["methods"] = serde_json::json!(["PUT", "POST"]);
+        }
+        match self.subject % 3 {
+            1 => json["subject"] = serde_json::json!({"header": "x-user"}),
+            2 => {
+                json["subject"] = serde_json::json!({"metadata": {"filter": "envoy.filters.http.jwt_authn", "path": ["payload", "sub"]}})
+            }
+            _ => {}
+        }
+        Config::from_json(json.to_string().as_bytes()).ok()
+    }
+}
+
+#[derive(Arbitrary, Debug)]
+enum Method {
+    Post,
+    Patch,
+    Put,
+    Get,
+    Raw(Vec<u8>),
+    Missing,
+}
+
+#[derive(Arbitrary, Debug)]
+enum KeyValue {
+    Good(u8),
+    Quoted(u8),
+    Raw(Bytes),
+}
+
+#[derive(Arbitrary, Debug)]
+struct Request {
+    method: Method,
+    keys: Vec<KeyValue>,
+    content_length: Option<Bytes>,
+    path: Option<Bytes>,
+    source_address: Option<Bytes>,
+    route_name: Option<Bytes>,
+    cluster_name: Option<Bytes>,
+    user: Option<Bytes>,
+    jwt_sub: Option<Bytes>,
+    forged_store_key: bool,
+    other: Vec<(Name, Bytes)>,
+    body: Bytes,
+}
+
+impl Request {
+    fn view(&self) -> MockView {
+        let mut v = MockView::default();
+        let method: Option<Vec<u8>> = match &self.method {
+            Method::Post => Some(b"POST".to_vec()),
+            Method::Patch => Some(b"PATCH".to_vec()),
+            Method::Put => Some(b"PUT".to_vec()),
+            Method::Get => Some(b"GET".to_vec()),
+            Method::Raw(m) => Some(m.clone()),
+            Method::Missing => None,
+        };
+        if let Some(m) = method {
+            v.request.push((":method".into(), m));
+        }
+        let path = self.path.as_ref().map_or(b"/orders?x=1".to_vec(), Bytes::to_vec);
+        v.request.push((":path".into(), path));
+        for k in self.keys.iter().take(3) {
+            let value = match k {
+                KeyValue::Good(n) => format!("key-{n}").into_bytes(),
+                KeyValue::Quoted(n) => format!("\"key {n}\"").into_bytes(),
+                KeyValue::Raw(b) => b.to_vec(),
+            };
+            v.request.push(("idempotency-key".into(), value));
+        }
+        if let Some(cl) = &self.content_length {
+            v.request.push(("content-length".into(), cl.to_vec()));
+        }
+        if let Some(u) = &self.user {
+            v.request.push(("x-user".into(), u.to_vec()));
+        }
+        if self.forged_store_key {
+            v.request.push(("x-store-key".into(), b"forged".to_vec()));
+        }
+        for (n, val) in self.other.iter().take(8) {
+            v.request.push((n.name(), val.to_vec()));
+        }
+        let source = self.source_address.as_ref().map_or(b"127.0.0.1:40000".to_vec(), Bytes::to_vec);
+        v.props.insert("source.address".into(), source);
+        if let Some(r) = &self.route_name {
+            v.props.insert("xds.route_name".into(), r.to_vec());
+        }
+        if let Some(c) = &self.cluster_name {
+            v.props.insert("xds.cluster_name".into(), c.to_vec());
+        }
+        if let Some(s) = &self.jwt_sub {
+            v.props.insert(
+                "metadata.filter_metadata.envoy.filters.http.jwt_authn.payload.sub".into(),
+                s.to_vec(),
+            );
+        }
+        v.request_body = self.body.to_vec();
+        v
+    }
+}
+
+#[derive(Arbitrary, Debug)]
+enum Begin {
+    Replay(ArbRecord),
+    Locked,
+    Busy,
+    Mismatch,
+    Fault(Fault),
+}
+
+#[derive(Arbitrary, Debug, Clone, Copy)]
+enum Fault {
+    Dispatch,
+    Reset,
+    Timeout,
+    Status(u16),
+    Garbage,
+}
+
+impl Fault {
+    fn fault(self) -> StoreFault {
+        match self {
+            Fault::Dispatch => StoreFault::Dispatch,
+            Fault::Reset => StoreFault::Reset,
+            Fault::Timeout => StoreFault::Timeout,
+            Fault::Status(s) => StoreFault::Status(s),
+            Fault::Garbage => StoreFault::Garbage("fuzz"),
+        }
+    }
+}
+
+#[derive(Arbitrary, Debug)]
+enum ContentType {
+    Json,
+    ProblemJson,
+    Text,
+    Raw(Bytes),
+}
+
+#[derive(Arbitrary, Debug)]
+struct Response {
+    status: Option<Status>,
+    content_type: Option<ContentType>,
+    content_length: Option<u32>,
+    headers: Vec<(Name, Bytes)>,
+    /// `count` more values of one header (more than a record holds).
+    repeat: Option<(Name, u8)>,
+}
+
+impl Response {
+    fn headers(&self) -> Vec<(String, Vec<u8>)> {
+        let mut h = Vec::new();
+        if let Some(s) = self.status {
+            h.push((":status".to_string(), s.code().to_string().into_bytes()));
+        }
+        if let Some(ct) = &self.content_type {
+            let v = match ct {
+                ContentType::Json => b"application/json".to_vec(),
+                ContentType::ProblemJson => b"application/problem+json; charset=utf-8".to_vec(),
+                ContentType::Text => b"text/plain".to_vec(),
+                ContentType::Raw(b) => b.to_vec(),
+            };
+            h.push(("content-type".to_string(), v));
+        }
+        if let Some(n) = self.content_length {
+            h.push(("content-length".to_string(), n.to_string().into_bytes()));
+        }
+        for (n, v) in self.headers.iter().take(16) {
+            h.push((n.name(), v.to_vec()));
+        }
+        if let Some((n, count)) = &self.repeat {
+            for i in 0..*count {
+                h.push((n.name(), format!("v{i}").into_bytes()));
+            }
+        }
+        h
+    }
+}
+
+#[derive(Arbitrary, Debug)]
+enum Upstream {
+    Answer(Response, Bytes),
+    Fault(Fault),
+}
+
+#[derive(Arbitrary, Debug)]
+enum Ev {
+    RequestHeaders(bool),
+    RequestBody(u32, bool),
+    RequestTrailers,
+    Begin(Begin),
+    ResponseHeaders(Response, bool),
+    ResponseBody(Bytes, bool),
+    ResponseTrailers,
+    Upstream(Upstream),
+    StreamEnd,
+}
+
+impl Ev {
+    fn event(&self) -> Event {
+        match self {
+            Ev::RequestHeaders(eos) => Event::RequestHeaders { end_of_stream: *eos },
+            Ev::RequestBody(n, eos) => Event::RequestBody { buffered: *n as usize, end_of_stream: *eos },
+            Ev::RequestTrailers => Event::RequestTrailers,
+            Ev::Begin(b) => Event::BeginAnswer(match b {
+                Begin::Replay(r) => Ok(BeginAnswer::Replay(r.to_record())),
+                Begin::Locked => Ok(BeginAnswer::Locked { token: String::new() }),
+                Begin::Busy => Ok(BeginAnswer::Busy),
+                Begin::Mismatch => Ok(BeginAnswer::Mismatch),
+                Begin::Fault(f) => Err(f.fault()),
+            }),
+            Ev::ResponseHeaders(r, eos) => {
+                Event::ResponseHeaders { headers: r.headers(), end_of_stream: *eos }
+            }
+            Ev::ResponseBody(b, eos) => Event::ResponseBody { chunk: b.to_vec(), end_of_stream: *eos },
+            Ev::ResponseTrailers => Event::ResponseTrailers,
+            Ev::Upstream(Upstream::Answer(r, body)) => {
+                Event::UpstreamAnswer(UpstreamAnswer::decode(r.headers(), body.to_vec()))
+            }
+            Ev::Upstream(Upstream::Fault(f)) => Event::UpstreamAnswer(Err(f.fault())),
+            Ev::StreamEnd => Event::StreamEnd,
+        }
+    }
+}
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    knobs: Knobs,
+    request: Request,
+    events: Vec<Ev>,
+}
+
+fuzz_target!(|input: Input| {
+    let Some(cfg) = input.knobs.config() else {
+        return;
+    };
+    let mut driver = Driver::new(Rc::new(cfg), input.request.view());
+    for ev in input.events.iter().take(MAX_EVENTS) {
+        if let Err(e) = driver.step(ev.event()) {
+            panic!("{e}");
+        }
+    }
+    if let Err(e) = driver.finish() {
+        panic!("{e}");
+    }
+});

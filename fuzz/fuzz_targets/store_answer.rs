@@ -1,0 +1,160 @@
+//! The filter's decoding of store answers (`store::Answer`: status + headers + body -> outcome or
+//! `StoreFault`), for `begin`, `commit` and `release`. Never panics, and:
+//!
+//! * no headers is a reset; a first `:status` that is not a number is garbage; `504` is a
+//!   timeout; any other non-200 status is `Status(that status)`;
+//! * an outcome is only ever read from a `200` whose first outcome header is its wire name;
+//! * a `locked` answer carries the first token header, and that token is well formed;
+//! * a replay is exactly the record the body decodes to.
+
+#![no_main]
+
+use arbitrary::Arbitrary;
+use fuzz_common::{ArbRecord, Bytes, Name};
+use idem_protocol as proto;
+use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
+use idempotency_filter::record::Record;
+use idempotency_filter::store::{Answer, BeginAnswer, StoreFault};
+use libfuzzer_sys::fuzz_target;
+
+const WIRE_NAMES: [&str; 9] =
+    ["record", "locked", "busy", "mismatch", "stored", "late", "exists", "released", "not-owner"];
+
+#[derive(Arbitrary, Debug)]
+enum StatusValue {
+    Code(u16),
+    Ok200,
+    Timeout504,
+    Raw(Vec<u8>),
+}
+
+#[derive(Arbitrary, Debug)]
+enum Header {
+    Status(StatusValue),
+    Outcome(u8),
+    RawOutcome(Vec<u8>),
+    Token(Bytes),
+    GoodToken(u8, u8),
+    Other(Name, Bytes),
+}
+
+#[derive(Arbitrary, Debug)]
+enum Body {
+    Record(ArbRecord),
+    Raw(Bytes),
+}
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    headers: Vec<Header>,
+    body: Body,
+}
+
+fn header_pair(h: &Header) -> (String, Vec<u8>) {
+    match h {
+        Header::Status(s) => {
+            let v = match s {
+                StatusValue::Code(c) => c.to_string().into_bytes(),
+                StatusValue::Ok200 => b"200".to_vec(),
+                StatusValue::Timeout504 => b"504".to_vec(),
+                StatusValue::Raw(b) => b.clone(),
+            };
+            (":status".into(), v)
+        }
+        Header::Outcome(i) => {
+            (proto::HEADER_OUTCOME.into(), WIRE_NAMES[usize::from(*i) % WIRE_NAMES.len()].as_bytes().to_vec())
+        }
+        Header::RawOutcome(b) => (proto::HEADER_OUTCOME.into(), b.clone()),
+        Header::Token(b) => (proto::HEADER_TOKEN.into(), b.to_vec()),
+        Header::GoodToken(c, n) => {
+            let alphabet = b"abcXYZ019-_";
+            let c = alphabet[usize::from(*c) % alphabet.len()];
+            (proto::HEADER_TOKEN.into(), vec![c; usize::from(*n % 70) + 1])
+        }
+        Header::Other(n, v) => (n.name(), v.to_vec()),
+    }
+}
+
+fn first<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a [u8]> {
+    headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
+}
+
+fuzz_target!(|input: Input| {
+    let headers: Vec<(String, Vec<u8>)> = input.headers.iter().map(header_pair).collect();
+    let body = match &input.body {
+        Body::Record(r) => r.to_record().encode(),
+        Body::Raw(b) => b.to_vec(),
+    };
+    let answer = Answer { headers: &headers, body: &body };
+    let begin = answer.begin();
+    let commit = answer.commit();
+    let release = answer.release();
+    for fault in [begin.as_ref().err(), commit.as_ref().err(), release.as_ref().err()].into_iter().flatten() {
+        assert!(!fault.to_string().is_empty());
+    }
+
+    // What the status alone decides.
+    let status = first(&headers, ":status")
+        .and_then(|s| std::str::from_utf8(s).ok())
+        .and_then(|s| s.parse::<u16>().ok());
+    let expected = if headers.is_empty() {
+        Some(StoreFault::Reset)
+    } else {
+        match status {
+            None => Some(StoreFault::Garbage("no status")),
+            Some(200) => None,
+            Some(504) => Some(StoreFault::Timeout),
+            Some(other) => Some(StoreFault::Status(other)),
+        }
+    };
+    if let Some(fault) = expected {
+        assert_eq!(begin.as_ref().err(), Some(&fault));
+        assert_eq!(commit.err(), Some(fault));
+        assert_eq!(release.err(), Some(fault));
+        return;
+    }
+    let outcome = first(&headers, proto::HEADER_OUTCOME);
+    if outcome.is_none() {
+        let fault = StoreFault::Garbage("no outcome");
+        assert_eq!(
+            (begin.as_ref().err(), commit.err(), release.err()),
+            (Some(&fault), Some(fault), Some(fault))
+        );
+        return;
+    }
+    let outcome = outcome.unwrap_or_default();
+
+    match &begin {
+        Ok(a) => {
+            let wire = match a {
+                BeginAnswer::Replay(r) => {
+                    assert!((200..=299).contains(&r.status));
+                    assert_eq!(Record::decode(&body).as_ref(), Ok(r));
+                    BeginOutcome::Record
+                }
+                BeginAnswer::Locked { token } => {
+                    assert!(proto::is_token(token.as_bytes()), "{token:?}");
+                    assert_eq!(first(&headers, proto::HEADER_TOKEN), Some(token.as_bytes()));
+                    BeginOutcome::Locked
+                }
+                BeginAnswer::Busy => BeginOutcome::Busy,
+                BeginAnswer::Mismatch => BeginOutcome::Mismatch,
+            };
+            assert_eq!(wire.as_str().as_bytes(), outcome);
+        }
+        Err(StoreFault::Garbage(_)) => {}
+        Err(other) => panic!("a 200 with an outcome answered {other:?}"),
+    }
+    match BeginOutcome::parse(outcome) {
+        None => assert_eq!(begin.as_ref().err(), Some(&StoreFault::Garbage("unknown outcome"))),
+        Some(BeginOutcome::Busy) => assert_eq!(begin.as_ref().ok(), Some(&BeginAnswer::Busy)),
+        Some(BeginOutcome::Mismatch) => assert_eq!(begin.as_ref().ok(), Some(&BeginAnswer::Mismatch)),
+        Some(BeginOutcome::Record) => assert_eq!(begin.is_ok(), Record::decode(&body).is_ok()),
+        Some(BeginOutcome::Locked) => {
+            let well_formed = first(&headers, proto::HEADER_TOKEN).is_some_and(proto::is_token);
+            assert_eq!(begin.is_ok(), well_formed);
+        }
+    }
+    assert_eq!(commit.ok(), CommitOutcome::parse(outcome));
+    assert_eq!(release.ok(), ReleaseOutcome::parse(outcome));
+});

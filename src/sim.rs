@@ -1,0 +1,335 @@
+//! A simulated host for the state machine: a scripted [`StreamView`] and a [`Driver`] that feeds
+//! a [`Stream`] events and checks, after every step, the invariants any event sequence must keep.
+//! Shared by the machine's unit tests and the `machine` fuzz target (`fuzz/`); test support only,
+//! the filter itself never uses it. No proxy-wasm here.
+//!
+//! The invariants:
+//!
+//! * at most one local answer (`Respond`), and at most one execution (`Resume` or `Upstream`);
+//!   never a local answer and a `Resume` for the same stream, never an execution after a local
+//!   answer, nothing of the three after the stream ended;
+//! * at most one `begin`, with a well-formed store key and body hash;
+//! * every lock the store grants (a `locked` answer to the pending `begin`) ends in exactly one
+//!   commit or release naming its key and token, and no commit or release names anything else;
+//! * a committed record decodes, is `2xx` and fits `max_record_bytes`;
+//! * an answer to a call that is not pending changes nothing;
+//! * once the pending calls are answered, the stream is settled ([`Stream::is_settled`]).
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use crate::config::Config;
+use crate::detached::UpstreamAnswer;
+use crate::machine::{Effect, Stream, StreamView};
+use crate::record::Record;
+use crate::store::{BeginAnswer, StoreCall, StoreFault};
+
+/// A scripted host: headers, properties (`"source.address"`: the path joined with dots) and
+/// bodies the caller sets.
+#[derive(Debug, Clone, Default)]
+pub struct MockView {
+    pub request: Vec<(String, Vec<u8>)>,
+    pub response: Vec<(String, Vec<u8>)>,
+    pub props: HashMap<String, Vec<u8>>,
+    pub request_body: Vec<u8>,
+    pub response_chunk: Vec<u8>,
+}
+
+impl MockView {
+    /// `POST /orders?x=1` from `127.0.0.1:40000`, with the given `Idempotency-Key`.
+    pub fn post(key: Option<&str>) -> MockView {
+        let mut v = MockView::default();
+        v.req(":method", "POST").req(":path", "/orders?x=1");
+        if let Some(k) = key {
+            v.req("idempotency-key", k);
+        }
+        v.prop("source.address", "127.0.0.1:40000");
+        v
+    }
+
+    pub fn req(&mut self, name: &str, value: &str) -> &mut Self {
+        self.request.push((name.into(), value.as_bytes().to_vec()));
+        self
+    }
+
+    pub fn resp(&mut self, name: &str, value: &str) -> &mut Self {
+        self.response.push((name.into(), value.as_bytes().to_vec()));
+        self
+    }
+
+    pub fn prop(&mut self, path: &str, value: &str) -> &mut Self {
+        self.props.insert(path.into(), value.as_bytes().to_vec());
+        self
+    }
+}
+
+impl StreamView for MockView {
+    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
+        self.request.clone()
+    }
+    fn request_header(&self, name: &str) -> Vec<Vec<u8>> {
+        self.request.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+    }
+    fn response_header(&self, name: &str) -> Vec<Vec<u8>> {
+        self.response.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+    }
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.props.get(&path.join(".")).cloned()
+    }
+    fn request_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
+        self.request_body.get(start..start.checked_add(len)?).map(<[u8]>::to_vec)
+    }
+    fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
+        self.response_chunk.get(start..start.checked_add(len)?).map(<[u8]>::to_vec)
+    }
+}
+
+/// One thing the host tells the machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    RequestHeaders {
+        end_of_stream: bool,
+    },
+    /// `buffered` bytes of [`MockView::request_body`] are buffered so far.
+    RequestBody {
+        buffered: usize,
+        end_of_stream: bool,
+    },
+    RequestTrailers,
+    /// The store's answer to `begin`. A `Locked` answer gets a fresh token from the driver.
+    BeginAnswer(Result<BeginAnswer, StoreFault>),
+    /// The response headers become `headers`.
+    ResponseHeaders {
+        headers: Vec<(String, Vec<u8>)>,
+        end_of_stream: bool,
+    },
+    /// The next response body chunk.
+    ResponseBody {
+        chunk: Vec<u8>,
+        end_of_stream: bool,
+    },
+    ResponseTrailers,
+    /// The answer to a detached execution.
+    UpstreamAnswer(Result<UpstreamAnswer, StoreFault>),
+    /// The stream is over (complete, reset, or the client went away).
+    StreamEnd,
+}
+
+/// How often each effect that matters was seen: for checking that a sample reaches every path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub responds: u32,
+    pub resumes: u32,
+    pub upstreams: u32,
+    pub begins: u32,
+    pub commits: u32,
+    pub releases: u32,
+}
+
+/// A lock the store granted, and how many commits or releases named it.
+#[derive(Debug)]
+struct Lock {
+    token: String,
+    settled: u32,
+}
+
+/// Feeds a [`Stream`] events and checks the invariants (see the module docs) after each.
+pub struct Driver {
+    pub stream: Stream,
+    pub view: MockView,
+    cfg: Rc<Config>,
+    trace: Vec<Event>,
+    responded: bool,
+    executed: bool,
+    resumed: bool,
+    ended: bool,
+    /// The store key and body hash of the `begin` the stream sent.
+    begun: Option<(String, String)>,
+    begin_pending: bool,
+    upstream_pending: bool,
+    locks: Vec<Lock>,
+    pub tally: Tally,
+}
+
+impl Driver {
+    pub fn new(cfg: Rc<Config>, view: MockView) -> Driver {
+        Driver {
+            stream: Stream::new(Rc::clone(&cfg)),
+            view,
+            cfg,
+            trace: Vec::new(),
+            responded: false,
+            executed: false,
+            resumed: false,
+            ended: false,
+            begun: None,
+            begin_pending: false,
+            upstream_pending: false,
+            locks: Vec::new(),
+            tally: Tally::default(),
+        }
+    }
+
+    /// Delivers one event; `Err` names the broken invariant, with the events so far.
+    pub fn step(&mut self, event: Event) -> Result<(), String> {
+        self.trace.push(event.clone());
+        let mut stray = false;
+        let effects = match event {
+            Event::RequestHeaders { end_of_stream } => {
+                self.stream.on_request_headers(&self.view, end_of_stream).effects
+            }
+            Event::RequestBody { buffered, end_of_stream } => {
+                self.stream.on_request_body(&self.view, buffered, end_of_stream).effects
+            }
+            Event::RequestTrailers => self.stream.on_request_trailers().effects,
+            Event::BeginAnswer(answer) => {
+                let answer = match answer {
+                    Ok(BeginAnswer::Locked { .. }) if self.begin_pending => {
+                        let token = format!("t{}", self.locks.len() + 1);
+                        self.locks.push(Lock { token: token.clone(), settled: 0 });
+                        Ok(BeginAnswer::Locked { token })
+                    }
+                    other => other,
+                };
+                stray = !self.begin_pending;
+                self.begin_pending = false;
+                self.stream.on_begin_answer(answer)
+            }
+            Event::ResponseHeaders { headers, end_of_stream } => {
+                self.view.response = headers;
+                self.stream.on_response_headers(&self.view, end_of_stream).effects
+            }
+            Event::ResponseBody { chunk, end_of_stream } => {
+                let len = chunk.len();
+                self.view.response_chunk = chunk;
+                self.stream.on_response_body(&self.view, len, end_of_stream).effects
+            }
+            Event::ResponseTrailers => self.stream.on_response_trailers().effects,
+            Event::UpstreamAnswer(answer) => {
+                stray = !self.upstream_pending;
+                self.upstream_pending = false;
+                self.stream.on_upstream_answer(answer)
+            }
+            Event::StreamEnd => {
+                let effects = self.stream.on_stream_end();
+                self.ended = true;
+                effects
+            }
+        };
+        if stray && !effects.is_empty() {
+            return self.violation(format!("an answer to no pending call had effects: {effects:?}"));
+        }
+        for effect in &effects {
+            self.check(effect)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the stream, answers what is still pending (`begin` with a lock, a detached call with
+    /// a `201`), then checks that the stream is settled and every lock was given back once.
+    pub fn finish(&mut self) -> Result<(), String> {
+        self.step(Event::StreamEnd)?;
+        if self.begin_pending {
+            self.step(Event::BeginAnswer(Ok(BeginAnswer::Locked { token: String::new() })))?;
+        }
+        if self.upstream_pending {
+            let answer = UpstreamAnswer { status: 201, headers: vec![], body: vec![] };
+            self.step(Event::UpstreamAnswer(Ok(answer)))?;
+        }
+        if !self.stream.is_settled() {
+            return self.violation("not settled once every call was answered".into());
+        }
+        if let Some(lock) = self.locks.iter().find(|l| l.settled != 1) {
+            return self
+                .violation(format!("lock {} was committed or released {} times", lock.token, lock.settled));
+        }
+        Ok(())
+    }
+
+    fn check(&mut self, effect: &Effect) -> Result<(), String> {
+        match effect {
+            Effect::Respond(_) => {
+                if self.responded {
+                    return self.violation("a second local answer".into());
+                }
+                if self.resumed {
+                    return self.violation("a local answer after the request was resumed".into());
+                }
+                if self.ended {
+                    return self.violation("a local answer after the stream ended".into());
+                }
+                self.responded = true;
+                self.tally.responds += 1;
+            }
+            Effect::Resume | Effect::Upstream(_) => {
+                if self.executed {
+                    return self.violation(format!("a second execution: {effect:?}"));
+                }
+                if self.responded {
+                    return self.violation(format!("an execution after a local answer: {effect:?}"));
+                }
+                if self.ended {
+                    return self.violation(format!("an execution after the stream ended: {effect:?}"));
+                }
+                self.executed = true;
+                match effect {
+                    Effect::Resume => self.tally.resumes += 1,
+                    _ => self.tally.upstreams += 1,
+                }
+                self.resumed = matches!(effect, Effect::Resume);
+                self.upstream_pending = matches!(effect, Effect::Upstream(_));
+            }
+            Effect::Store(StoreCall::Begin { key, body_hash }) => {
+                if self.begun.is_some() {
+                    return self.violation("a second begin".into());
+                }
+                if !idem_protocol::is_hex64(key.as_bytes()) || !idem_protocol::is_hex64(body_hash.as_bytes())
+                {
+                    return self.violation(format!("a malformed begin: {key:?} {body_hash:?}"));
+                }
+                self.begun = Some((key.clone(), body_hash.clone()));
+                self.begin_pending = true;
+                self.tally.begins += 1;
+            }
+            Effect::Store(StoreCall::Commit { key, token, body_hash, record }) => {
+                if self.begun.as_ref() != Some(&(key.clone(), body_hash.clone())) {
+                    return self
+                        .violation(format!("a commit for another key or body: {key:?} {body_hash:?}"));
+                }
+                match Record::decode(record) {
+                    Ok(r) if (200..=299).contains(&r.status) && r.body.len() <= self.cfg.max_record_bytes => {
+                    }
+                    other => {
+                        return self.violation(format!("a commit of a record that cannot replay: {other:?}"))
+                    }
+                }
+                self.settle(key, token)?;
+                self.tally.commits += 1;
+            }
+            Effect::Store(StoreCall::Release { key, token }) => {
+                self.settle(key, token)?;
+                self.tally.releases += 1;
+            }
+            Effect::SetRequestHeader(..) | Effect::RemoveRequestHeader(_) | Effect::Count(_) => {}
+        }
+        Ok(())
+    }
+
+    fn settle(&mut self, key: &str, token: &str) -> Result<(), String> {
+        if self.begun.as_ref().map(|(k, _)| k.as_str()) != Some(key) {
+            return self.violation(format!("a commit or release for another key: {key:?}"));
+        }
+        let Some(lock) = self.locks.iter_mut().find(|l| l.token == token) else {
+            return self.violation(format!("a commit or release of a lock never granted: {token:?}"));
+        };
+        lock.settled += 1;
+        if lock.settled > 1 {
+            return self.violation(format!("lock {token} committed or released twice"));
+        }
+        Ok(())
+    }
+
+    fn violation(&self, what: String) -> Result<(), String> {
+        Err(format!("{what}\n  events: {:#?}", self.trace))
+    }
+}
