@@ -23,7 +23,7 @@ use std::time::Duration;
 use crate::config::Config;
 use crate::detached::{UpstreamAnswer, UpstreamCall};
 use crate::machine::{Action, Effect, Step, Stream, StreamView};
-use crate::metrics::Metric;
+use crate::metrics::{Metric, OUTCOME_PROPERTY, STORE_LATENCY};
 use crate::store::{Answer, BeginAnswer, CallKind, StoreCall, StoreFault};
 use idem_protocol::CommitOutcome;
 
@@ -39,6 +39,8 @@ struct Shared {
     queue: u32,
     wake_pending: bool,
     metrics: Vec<u32>,
+    /// Histogram ids, in the order of [`STORE_LATENCY`].
+    latency: Vec<u32>,
     streams: HashMap<u32, Entry>,
     outbox: Vec<Job>,
     callouts: HashMap<u32, Job>,
@@ -63,6 +65,8 @@ struct Job {
     call: Call,
     /// 0 for the first try; see [`StoreCall::after_fault`].
     attempt: u32,
+    /// When the callout was dispatched, for the latency histograms.
+    sent: Option<std::time::SystemTime>,
 }
 
 enum Call {
@@ -103,6 +107,12 @@ impl Root {
                 .map_err(|s| format!("cannot define metric {}: {s:?}", m.name()))?;
             metrics.push(id);
         }
+        let mut latency = Vec::with_capacity(STORE_LATENCY.len());
+        for (_, name) in STORE_LATENCY {
+            let id = hostcalls::define_metric(MetricType::Histogram, name)
+                .map_err(|s| format!("cannot define metric {name}: {s:?}"))?;
+            latency.push(id);
+        }
         // Queue names are per VM id, and every worker runs this root: a random name keeps each
         // worker's wake-ups on its own thread, where its streams live.
         let name = format!("idempotency-outbox-{:016x}", random_u64(self.id));
@@ -114,6 +124,7 @@ impl Root {
             queue,
             wake_pending: false,
             metrics,
+            latency,
             streams: HashMap::new(),
             outbox: Vec::new(),
             callouts: HashMap::new(),
@@ -193,7 +204,8 @@ fn flush_outbox(shared: &SharedRef) {
         }
         Err(_) => return,
     };
-    for job in jobs {
+    for mut job in jobs {
+        job.sent = hostcalls::get_current_time().ok();
         // The host registers a callout with the effective context: make sure it is the root.
         let _ = hostcalls::set_effective_context(root_id);
         let result = match &job.call {
@@ -275,6 +287,7 @@ fn on_callout_answer(shared: &SharedRef, token: u32, headers: Vec<(String, Vec<u
     };
     let outcome = match &job.call {
         Call::Store(c) => {
+            record_latency(shared, c.kind(), job.sent);
             let answer = Answer { headers: &headers, body: &body };
             match c.kind() {
                 CallKind::Begin => Answered::Begin(answer.begin()),
@@ -285,6 +298,17 @@ fn on_callout_answer(shared: &SharedRef, token: u32, headers: Vec<(String, Vec<u
         Call::Upstream(_) => Answered::Upstream(UpstreamAnswer::decode(headers, body)),
     };
     settle(shared, job, outcome, Caller::Root);
+}
+
+fn record_latency(shared: &SharedRef, kind: CallKind, sent: Option<std::time::SystemTime>) {
+    let (Some(sent), Ok(now)) = (sent, hostcalls::get_current_time()) else { return };
+    let micros = now.duration_since(sent).map(|d| d.as_micros()).unwrap_or(0);
+    let id = shared.try_borrow().ok().and_then(|s| {
+        STORE_LATENCY.iter().position(|(k, _)| *k == kind).and_then(|i| s.latency.get(i).copied())
+    });
+    if let Some(id) = id {
+        let _ = hostcalls::record_metric(id, u64::try_from(micros).unwrap_or(u64::MAX));
+    }
 }
 
 enum Answered {
@@ -325,6 +349,7 @@ fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
                     request_id: job.request_id.clone(),
                     call: Call::Store(next),
                     attempt,
+                    sent: None,
                 };
                 submit(shared, retry, caller);
             }
@@ -478,18 +503,27 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, caller: Calle
                 let request_id = request_id_of(shared, stream_id);
                 submit(
                     shared,
-                    Job { stream: stream_id, request_id, call: Call::Store(call), attempt: 0 },
+                    Job { stream: stream_id, request_id, call: Call::Store(call), attempt: 0, sent: None },
                     caller,
                 )
             }
             Effect::Upstream(call) => {
                 let request_id = request_id_of(shared, stream_id);
-                let job = Job { stream: stream_id, request_id, call: Call::Upstream(call), attempt: 0 };
+                let job =
+                    Job { stream: stream_id, request_id, call: Call::Upstream(call), attempt: 0, sent: None };
                 submit(shared, job, caller)
             }
             Effect::Count(m) => {
                 if log::log_enabled!(log::Level::Debug) {
                     log_decision(shared, stream_id, m);
+                }
+                if let (Some(outcome), true) = (m.outcome(), stream_alive) {
+                    // Filter state `wasm.idempotency_outcome`, for the access log.
+                    let _ = hostcalls::set_effective_context(stream_id);
+                    if let Err(s) = hostcalls::set_property(vec![OUTCOME_PROPERTY], Some(outcome.as_bytes()))
+                    {
+                        log::debug!("cannot set {OUTCOME_PROPERTY}: {s:?}");
+                    }
                 }
                 if let Some(id) = shared.try_borrow().ok().and_then(|s| s.metrics.get(m.index()).copied()) {
                     let _ = hostcalls::increment_metric(id, 1);

@@ -1,5 +1,8 @@
-//! The filter's counters. Envoy shows them as `wasmcustom.<name>` in `/stats` and with dots
-//! replaced by underscores in `/stats/prometheus`, summed across workers.
+//! The filter's counters, store latency histograms and per-request outcome. Envoy shows the
+//! metrics as `wasmcustom.<name>` in `/stats` and with dots replaced by underscores in
+//! `/stats/prometheus`, summed across workers.
+
+use crate::store::CallKind;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Metric {
@@ -75,7 +78,40 @@ impl Metric {
         }
     }
 
+    /// What this counter says about the request itself, for Envoy's access log (the filter
+    /// state `wasm.idempotency_outcome`); the last one set wins (`degraded`, then `unavailable`).
+    pub fn outcome(self) -> Option<&'static str> {
+        match self {
+            Metric::Replayed => Some("replayed"),
+            Metric::Executed => Some("executed"),
+            Metric::Mismatched => Some("mismatch"),
+            Metric::Conflicted => Some("conflict"),
+            Metric::Rejected => Some("rejected"),
+            Metric::Degraded => Some("degraded"),
+            Metric::Unavailable => Some("unavailable"),
+            Metric::Passthrough => Some("passthrough"),
+            Metric::Detached => Some("detached"),
+            Metric::Guarded
+            | Metric::Stored
+            | Metric::Released
+            | Metric::CommitFailed
+            | Metric::StoreErrors
+            | Metric::CommittedAfterGone => None,
+        }
+    }
+
     pub fn index(self) -> usize {
         Metric::ALL.iter().position(|m| *m == self).unwrap_or(0)
     }
 }
+
+/// Histograms of store call latency in microseconds, one per operation (Envoy's histograms take
+/// integers; microseconds keep a sub-millisecond `commit` visible). `begin` includes the wait
+/// for a lock held by another request.
+pub const STORE_LATENCY: [(CallKind, &str); 3] = [
+    (CallKind::Begin, "idempotency.store_us.begin"),
+    (CallKind::Commit, "idempotency.store_us.commit"),
+    (CallKind::Release, "idempotency.store_us.release"),
+];
+
+pub const OUTCOME_PROPERTY: &str = "idempotency_outcome";
