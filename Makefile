@@ -3,6 +3,7 @@
 #   make build    the filter (wasm32-wasip1) and idemstore, release builds
 #   make test     every test: unit, clippy (native and wasm), end to end (real Envoy + Redis)
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
+#   make demo     the local stack plus a scripted story against it; exits 0 if every step behaved
 #   make bench    latency against a no-filter Envoy in the same run; figures to bench/RESULTS.md
 #   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (600) each, one after the other
 #   make fuzz-quick  the same for FUZZ_QUICK_SECONDS (15) each: what CI runs after `make test`
@@ -39,7 +40,7 @@ FUZZ_SECONDS ?= 600
 FUZZ_QUICK_SECONDS ?= 15
 
 .PHONY: all build build-wasm build-idemstore envoy test unit clippy clippy-native clippy-wasm \
-        e2e bench fuzz fuzz-quick run clean distclean help
+        e2e bench fuzz fuzz-quick run demo clean distclean help
 
 all: build
 
@@ -126,6 +127,11 @@ fuzz-quick:
 run: build envoy
 	ENVOY_BIN="$(ENVOY_BIN)" IDEMSTORE_BIN="$(IDEMSTORE)" PYTHON="$(PYTHON)" REDIS="$(REDIS)" \
 	  exec bash demo/run.sh
+
+# The same stack as `make run`, in the background, with demo/story.py played against it.
+demo: build envoy
+	ENVOY_BIN="$(ENVOY_BIN)" IDEMSTORE_BIN="$(IDEMSTORE)" PYTHON="$(PYTHON)" REDIS="$(REDIS)" \
+	  bash demo/demo.sh
 
 clean:
 	$(CARGO) clean

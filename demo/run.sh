@@ -98,6 +98,16 @@ wait_http "http://$STORE_ADDR/healthz" "idemstore"
 pids+=($!)
 
 wait_http "http://127.0.0.1:9901/ready" "envoy"
+# Envoy is ready before its first health check of idemstore passes; until then store calls fail
+# at once and guarded requests would run unguarded (counted on `degraded`).
+for _ in $(seq 100); do
+  if "$PYTHON" - <<'PY' 2>/dev/null; then break; fi
+import sys, urllib.request
+body = urllib.request.urlopen("http://127.0.0.1:9901/clusters", timeout=0.5).read().decode()
+sys.exit(0 if "idemstore::127.0.0.1:8380::health_flags::healthy" in body else 1)
+PY
+  sleep 0.1
+done
 cat <<EOF
 
 run: ready. Envoy on http://127.0.0.1:10000 (admin http://127.0.0.1:9901). Try:
