@@ -29,6 +29,8 @@ struct Knobs {
     store_key_header: bool,
     require_key: bool,
     methods_put: bool,
+    /// `pause_on_headers: false`, the mode Istio can configure.
+    continue_on_headers: bool,
     max_key_length: u8,
     max_body: u8,
     max_record: u8,
@@ -58,6 +60,9 @@ impl Knobs {
         });
         if self.store_key_header {
             json["store_key_header"] = "x-store-key".into();
+        }
+        if self.continue_on_headers {
+            json["pause_on_headers"] = false.into();
         }
         if self.methods_put {
             json["methods"] = serde_json::json!(["PUT", "POST"]);

@@ -15,14 +15,19 @@
 //!    [`Options::max_body_bytes`] on `commit` (`413`, nothing stored);
 //! 5. every protocol header, each exactly once and well-formed, else `400` naming it; `commit`
 //!    also needs a non-empty record.
+//!
+//! Each refusal counts in `idemstore_rejected_total` by its reason; a request past them counts
+//! in `idemstore_requests_total` and `idemstore_request_duration_seconds` (see
+//! [`crate::metrics`]), served by `GET /metrics` on the same listener.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::header::CONTENT_TYPE;
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -31,18 +36,25 @@ use axum::Router;
 use idem_protocol as proto;
 
 use crate::backend::{Backend, BackendError};
+use crate::metrics::{self, Op, Outcome, Rejection};
 use crate::secret::Secret;
 use crate::store::{Begin, Store};
+
+/// Where idemstore serves its Prometheus metrics, on the same listener as the protocol.
+pub const PATH_METRICS: &str = "/metrics";
 
 /// How the HTTP layer guards the store.
 #[derive(Debug, Clone)]
 pub struct Options {
     /// Largest record `commit` accepts; larger bodies get `413`.
     pub max_body_bytes: usize,
-    /// Required in `x-idem-secret` on every request but `GET /healthz`, which stays open: it
-    /// tells nothing but that this process and its backend answer, and Envoy's active health
-    /// checker would otherwise need the secret in its own config too (one more copy to keep
-    /// and rotate) for no gain.
+    /// Required in `x-idem-secret` on every request but `GET /healthz` and `GET /metrics`,
+    /// which stay open. The health check tells nothing but that this process and its backend
+    /// answer, and Envoy's active health checker would otherwise need the secret in its own
+    /// config too (one more copy to keep and rotate) for no gain. The metrics tell counts and
+    /// timings, never a key, token or record, and a Prometheus scraper should not need the
+    /// store's secret; they are on the same listener, so whatever can reach the port can read
+    /// them: keep the listener private (as the protocol needs anyway).
     pub secret: Option<Arc<Guard>>,
 }
 
@@ -110,14 +122,30 @@ impl Guard {
     }
 }
 
+/// The secret check and what it needs to count refusals.
+struct Gate<B> {
+    guard: Arc<Guard>,
+    store: Arc<Store<B>>,
+}
+
+impl<B> Clone for Gate<B> {
+    fn clone(&self) -> Self {
+        Self { guard: Arc::clone(&self.guard), store: Arc::clone(&self.store) }
+    }
+}
+
 /// The secret check, in front of routing (see the module doc for why before it).
-async fn authorize(State(guard): State<Arc<Guard>>, request: Request, next: Next) -> Response {
-    if request.uri().path() == proto::PATH_HEALTH {
+async fn authorize<B: Backend>(State(gate): State<Gate<B>>, request: Request, next: Next) -> Response {
+    let path = request.uri().path();
+    if path == proto::PATH_HEALTH || path == PATH_METRICS {
         return next.run(request).await;
     }
-    match guard.check(request.headers()) {
+    match gate.guard.check(request.headers()) {
         None => next.run(request).await,
-        Some(why) => guard.refuse(why, request.uri().path()),
+        Some(why) => {
+            gate.store.metrics().reject(Rejection::Secret);
+            gate.guard.refuse(why, path)
+        }
     }
 }
 
@@ -129,10 +157,11 @@ pub fn router<B: Backend>(store: Arc<Store<B>>, options: Options) -> Router {
         .route(proto::PATH_COMMIT, post(commit::<B>))
         .route(proto::PATH_RELEASE, post(release::<B>).layer(no_body()))
         .route(proto::PATH_HEALTH, get(health::<B>))
+        .route(PATH_METRICS, get(scrape::<B>))
         .layer(DefaultBodyLimit::max(options.max_body_bytes))
-        .with_state(store);
+        .with_state(Arc::clone(&store));
     match options.secret {
-        Some(guard) => router.layer(middleware::from_fn_with_state(guard, authorize)),
+        Some(guard) => router.layer(middleware::from_fn_with_state(Gate { guard, store }, authorize::<B>)),
         None => router,
     }
 }
@@ -140,7 +169,11 @@ pub fn router<B: Backend>(store: Arc<Store<B>>, options: Options) -> Router {
 /// Every failure the filter can see: it treats any non-200 as a store fault.
 #[derive(Debug)]
 pub enum Error {
+    /// `400`, before the backend.
     BadRequest(String),
+    /// The body could not be read within its limit: `413` past it, else `400`.
+    Body(BytesRejection),
+    /// `503`.
     Backend(BackendError),
 }
 
@@ -150,10 +183,29 @@ impl From<BackendError> for Error {
     }
 }
 
+impl From<BytesRejection> for Error {
+    fn from(e: BytesRejection) -> Self {
+        Self::Body(e)
+    }
+}
+
+impl Error {
+    /// Why the request was refused before the backend, if it was.
+    fn rejection(&self) -> Option<Rejection> {
+        match self {
+            Self::BadRequest(_) => Some(Rejection::Invalid),
+            Self::Body(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Some(Rejection::TooLarge),
+            Self::Body(_) => Some(Rejection::Invalid),
+            Self::Backend(_) => None,
+        }
+    }
+}
+
 impl IntoResponse for Error {
     fn into_response(self) -> Response {
         match self {
             Self::BadRequest(why) => (StatusCode::BAD_REQUEST, why).into_response(),
+            Self::Body(e) => e.into_response(),
             Self::Backend(e) => {
                 tracing::warn!(error = %e, "store operation failed");
                 (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
@@ -162,7 +214,13 @@ impl IntoResponse for Error {
     }
 }
 
-type Answer = Result<Response, Error>;
+/// Answers a request refused before the backend, counting it.
+fn refused<B: Backend>(store: &Store<B>, e: Error) -> Response {
+    if let Some(reason) = e.rejection() {
+        store.metrics().reject(reason);
+    }
+    e.into_response()
+}
 
 /// The single value of header `name`; missing or repeated is a bad request.
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Result<&'a [u8], Error> {
@@ -209,52 +267,167 @@ fn answer(outcome: &'static str) -> Response {
     response
 }
 
-/// `_none` is always empty (the route's body limit is 0), but must be read for the limit to
-/// apply to bodies without a `content-length`.
-async fn begin<B: Backend>(State(store): State<Arc<Store<B>>>, headers: HeaderMap, _none: Bytes) -> Answer {
-    let key = hex64(&headers, proto::HEADER_KEY)?;
-    let body_hash = hex64(&headers, proto::HEADER_BODY_HASH)?;
-    let lock_ttl = bounded(&headers, proto::HEADER_LOCK_TTL_MS, proto::MAX_LOCK_TTL_MS)?;
-    let wait = bounded(&headers, proto::HEADER_WAIT_MS, proto::MAX_WAIT_MS)?;
-    let begun =
-        store.begin(key, body_hash, Duration::from_millis(lock_ttl), Duration::from_millis(wait)).await?;
-    Ok(match begun {
-        Begin::Record(bytes) => {
-            let mut response = answer(proto::BeginOutcome::Record.as_str());
-            response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
-            *response.body_mut() = bytes.into();
-            response
-        }
-        Begin::Mismatch => answer(proto::BeginOutcome::Mismatch.as_str()),
-        Begin::Busy => answer(proto::BeginOutcome::Busy.as_str()),
-        Begin::Locked { token } => {
-            let mut response = answer(proto::BeginOutcome::Locked.as_str());
-            let token = HeaderValue::try_from(token)
-                .map_err(|_| BackendError::Unavailable("minted an invalid token".into()))?;
-            response.headers_mut().insert(HeaderName::from_static(proto::HEADER_TOKEN), token);
-            response
-        }
+/// `begin`'s validated headers.
+struct BeginArgs<'a> {
+    key: &'a str,
+    body_hash: &'a str,
+    lock_ttl: Duration,
+    wait: Duration,
+}
+
+/// The body is always empty (the route's limit is 0), but must be read for the limit to apply
+/// to bodies without a `content-length`; it is checked before the headers, as an extractor.
+fn begin_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<BeginArgs<'_>, Error> {
+    body?;
+    Ok(BeginArgs {
+        key: hex64(headers, proto::HEADER_KEY)?,
+        body_hash: hex64(headers, proto::HEADER_BODY_HASH)?,
+        lock_ttl: Duration::from_millis(bounded(headers, proto::HEADER_LOCK_TTL_MS, proto::MAX_LOCK_TTL_MS)?),
+        wait: Duration::from_millis(bounded(headers, proto::HEADER_WAIT_MS, proto::MAX_WAIT_MS)?),
     })
 }
 
-async fn commit<B: Backend>(State(store): State<Arc<Store<B>>>, headers: HeaderMap, record: Bytes) -> Answer {
-    let key = hex64(&headers, proto::HEADER_KEY)?;
-    let token = token(&headers)?;
-    let body_hash = hex64(&headers, proto::HEADER_BODY_HASH)?;
-    let retention = bounded(&headers, proto::HEADER_RETENTION_S, proto::MAX_RETENTION_S)?;
-    if record.is_empty() {
+async fn begin<B: Backend>(
+    State(store): State<Arc<Store<B>>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let args = match begin_args(&headers, body) {
+        Ok(args) => args,
+        Err(e) => return refused(&store, e),
+    };
+    let timer = store.metrics().timer(Op::Begin, started);
+    let begun = match store.begin(args.key, args.body_hash, args.lock_ttl, args.wait).await {
+        Ok(begun) => begun,
+        Err(e) => {
+            timer.failed(&e);
+            return Error::from(e).into_response();
+        }
+    };
+    let outcome = match &begun {
+        Begin::Record(_) => proto::BeginOutcome::Record,
+        Begin::Mismatch => proto::BeginOutcome::Mismatch,
+        Begin::Busy => proto::BeginOutcome::Busy,
+        Begin::Locked { .. } => proto::BeginOutcome::Locked,
+    };
+    let mut response = answer(outcome.as_str());
+    match begun {
+        Begin::Record(bytes) => {
+            response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+            *response.body_mut() = bytes.into();
+        }
+        Begin::Locked { token } => match HeaderValue::try_from(token) {
+            Ok(token) => {
+                response.headers_mut().insert(HeaderName::from_static(proto::HEADER_TOKEN), token);
+            }
+            Err(_) => {
+                let e = BackendError::Unavailable("minted an invalid token".into());
+                timer.failed(&e);
+                return Error::from(e).into_response();
+            }
+        },
+        Begin::Mismatch | Begin::Busy => {}
+    }
+    timer.answered(Outcome::Begin(outcome));
+    response
+}
+
+/// `commit`'s validated headers and record.
+struct CommitArgs<'a> {
+    key: &'a str,
+    token: &'a str,
+    body_hash: &'a str,
+    retention: Duration,
+    record: Bytes,
+}
+
+fn commit_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<CommitArgs<'_>, Error> {
+    let record = body?;
+    let args = CommitArgs {
+        key: hex64(headers, proto::HEADER_KEY)?,
+        token: token(headers)?,
+        body_hash: hex64(headers, proto::HEADER_BODY_HASH)?,
+        retention: Duration::from_secs(bounded(headers, proto::HEADER_RETENTION_S, proto::MAX_RETENTION_S)?),
+        record,
+    };
+    if args.record.is_empty() {
         // The filter's records always start with a magic: an empty one could only be a bug,
         // and would be replayed as garbage to every retry of the key.
         return Err(Error::BadRequest("the record (request body) must not be empty".into()));
     }
-    let outcome = store.commit(key, token, body_hash, record, Duration::from_secs(retention)).await?;
-    Ok(answer(outcome.as_str()))
+    Ok(args)
 }
 
-async fn release<B: Backend>(State(store): State<Arc<Store<B>>>, headers: HeaderMap, _none: Bytes) -> Answer {
-    let key = hex64(&headers, proto::HEADER_KEY)?;
-    let token = token(&headers)?;
-    Ok(answer(store.release(key, token).await?.as_str()))
+async fn commit<B: Backend>(
+    State(store): State<Arc<Store<B>>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let args = match commit_args(&headers, body) {
+        Ok(args) => args,
+        Err(e) => return refused(&store, e),
+    };
+    let timer = store.metrics().timer(Op::Commit, started);
+    match store.commit(args.key, args.token, args.body_hash, args.record, args.retention).await {
+        Ok(outcome) => {
+            timer.answered(Outcome::Commit(outcome));
+            answer(outcome.as_str())
+        }
+        Err(e) => {
+            timer.failed(&e);
+            Error::from(e).into_response()
+        }
+    }
+}
+
+/// The body is always empty, as for `begin`.
+async fn release<B: Backend>(
+    State(store): State<Arc<Store<B>>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let args =
+        body.map_err(Error::from).and_then(|_| Ok((hex64(&headers, proto::HEADER_KEY)?, token(&headers)?)));
+    let (key, token) = match args {
+        Ok(args) => args,
+        Err(e) => return refused(&store, e),
+    };
+    let timer = store.metrics().timer(Op::Release, started);
+    match store.release(key, token).await {
+        Ok(outcome) => {
+            timer.answered(Outcome::Release(outcome));
+            answer(outcome.as_str())
+        }
+        Err(e) => {
+            timer.failed(&e);
+            Error::from(e).into_response()
+        }
+    }
+}
+
+/// `GET /metrics`: the Prometheus text exposition (version 0.0.4) of this instance's metrics
+/// (see [`crate::metrics`]). Needs no secret, like `/healthz` (see [`Options::secret`]).
+/// Each scrape runs the backend's health check for `idemstore_backend_up`: against Redis, one
+/// `PING`, bounded by `--redis-timeout-ms`.
+async fn scrape<B: Backend>(State(store): State<Arc<Store<B>>>) -> Response {
+    let backend_up = store.health().await.is_ok();
+    match store.metrics().encode(backend_up, store.backend().usage()) {
+        Ok(text) => (
+            [
+                (CONTENT_TYPE, HeaderValue::from_static(metrics::CONTENT_TYPE)),
+                (CACHE_CONTROL, HeaderValue::from_static("no-store")),
+            ],
+            text,
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot encode the metrics");
+            (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode the metrics").into_response()
+        }
+    }
 }
 
 async fn health<B: Backend>(State(store): State<Arc<Store<B>>>) -> Response {

@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod http;
+pub mod metrics;
 pub mod secret;
 pub mod store;
 pub mod waiters;

@@ -1,4 +1,6 @@
-//! `idemstore` command line: picks a backend, serves HTTP/1.1 and h2c until SIGTERM/ctrl-c.
+//! `idemstore` command line: picks a backend, serves HTTP/1.1 and h2c until SIGTERM/ctrl-c:
+//! the protocol, `GET /healthz` and `GET /metrics` (Prometheus), all on the one `--listen`
+//! address.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -121,7 +123,11 @@ async fn run(cli: Cli) -> Result<(), String> {
     let mut options = http::Options::new(cli.max_body_bytes);
     match secret {
         Some(secret) => {
-            tracing::info!("every request but {} needs the shared secret", idem_protocol::PATH_HEALTH);
+            tracing::info!(
+                "every request but {} and {} needs the shared secret",
+                idem_protocol::PATH_HEALTH,
+                http::PATH_METRICS
+            );
             options = options.with_secret(secret);
         }
         None if !addr.ip().is_loopback() => tracing::warn!(
@@ -155,7 +161,7 @@ async fn run(cli: Cli) -> Result<(), String> {
 }
 
 fn started(addr: SocketAddr, backend: &str) {
-    tracing::info!("idemstore listening on {addr}, backend {backend}");
+    tracing::info!("idemstore listening on {addr}, backend {backend}, metrics on GET {}", http::PATH_METRICS);
 }
 
 async fn serve<B: Backend>(listener: TcpListener, backend: B, options: http::Options) -> Result<(), String> {

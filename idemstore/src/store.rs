@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::backend::{Attempt, Backend, CommitOutcome, ReleaseOutcome, Result};
+use crate::metrics::Metrics;
 use crate::waiters::{RemoteWakeups, Waiters};
 
 /// First re-check delay for a held lock; doubles up to [`MAX_RECHECK`]. Commits and releases
@@ -40,6 +41,7 @@ pub struct Store<B> {
     remote: watch::Receiver<RemoteWakeups>,
     /// Forwards other instances' wake-ups to `waiters`; aborted with the store.
     remote_task: Option<JoinHandle<()>>,
+    metrics: Metrics,
 }
 
 impl<B: Backend> Store<B> {
@@ -56,6 +58,7 @@ impl<B: Backend> Store<B> {
         let waiters = Arc::new(Waiters::default());
         let (status, remote) = watch::channel(RemoteWakeups::default());
         let remote_task = backend.spawn_remote_wakeups(Arc::downgrade(&waiters), status);
+        let metrics = Metrics::new(backend.usage().is_some());
         Self {
             backend,
             waiters,
@@ -64,11 +67,17 @@ impl<B: Backend> Store<B> {
             parked: AtomicUsize::new(0),
             remote,
             remote_task,
+            metrics,
         }
     }
 
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// This store's Prometheus metrics (see [`crate::metrics`]).
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     pub fn waiters(&self) -> &Waiters {
@@ -106,6 +115,9 @@ impl<B: Backend> Store<B> {
         let subscription = self.waiters.subscribe(key);
         let mut stopping = self.stopping.subscribe();
         let (mut recheck, max_recheck) = self.recheck;
+        // Set at the first attempt that finds the lock held; counts the wait in the metrics
+        // until this call returns or is dropped.
+        let mut waiting = None;
         loop {
             let mut woken = pin!(subscription.notify().notified());
             woken.as_mut().enable();
@@ -115,6 +127,7 @@ impl<B: Backend> Store<B> {
                 Attempt::Locked => return Ok(Begin::Locked { token }),
                 Attempt::Held { remaining } => remaining,
             };
+            waiting.get_or_insert_with(|| self.metrics.wait());
             let now = Instant::now();
             if now >= deadline || *stopping.borrow_and_update() {
                 return Ok(Begin::Busy);

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result};
+use super::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result, Usage};
 
 /// `--memory-max-keys` default.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -332,6 +332,16 @@ impl Backend for MemoryBackend {
 
     async fn health(&self) -> Result<()> {
         Ok(())
+    }
+
+    fn usage(&self) -> Option<Usage> {
+        let inner = lock(&self.inner);
+        Some(Usage {
+            keys: inner.entries.len(),
+            bytes: inner.bytes,
+            max_keys: inner.max_keys,
+            max_bytes: inner.max_bytes,
+        })
     }
 }
 

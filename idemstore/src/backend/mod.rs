@@ -50,6 +50,17 @@ impl std::error::Error for BackendError {}
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 
+/// What a backend that keeps its data in this process holds, for `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Keys holding a record or a lock, expired ones included until swept.
+    pub keys: usize,
+    /// Bytes accounted against `max_bytes`.
+    pub bytes: usize,
+    pub max_keys: usize,
+    pub max_bytes: usize,
+}
+
 /// Keys and hashes arrive validated (64 lowercase hex), tokens as `is_token` allows.
 pub trait Backend: Send + Sync + 'static {
     /// Lookup-or-lock: the record for `key` if any, else the lock for `token` with `lock_ttl`,
@@ -77,6 +88,12 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Whether the backend answers at all.
     fn health(&self) -> impl Future<Output = Result<()>> + Send;
+
+    /// Its own accounting, for a backend that keeps its data in this process (in memory);
+    /// `None` for one that keeps it elsewhere (Redis), whose own metrics tell.
+    fn usage(&self) -> Option<Usage> {
+        None
+    }
 
     /// Starts forwarding to `waiters` the wake-ups that other idemstore instances sharing this
     /// backend publish (a lock dropped, a record stored), reporting on `status` whether they

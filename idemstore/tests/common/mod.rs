@@ -8,6 +8,8 @@ use bytes::Bytes;
 use idemstore::backend::{Backend, CommitOutcome, ReleaseOutcome};
 use idemstore::store::{new_token, Begin, Store};
 
+pub mod client;
+
 pub const TTL: Duration = Duration::from_secs(30);
 pub const WAIT: Duration = Duration::from_secs(5);
 pub const DAY: Duration = Duration::from_secs(86_400);
