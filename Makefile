@@ -4,6 +4,7 @@
 #   make test     every test: unit, clippy (native and wasm), end to end (real Envoy + Redis)
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
 #   make demo     the local stack plus a scripted story against it; exits 0 if every step behaved
+#   make image    OCI images of the filter (/plugin.wasm) and idemstore (needs a Docker engine)
 #   make bench    latency against a no-filter Envoy in the same run; figures to bench/RESULTS.md
 #   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (600) each, one after the other
 #   make fuzz-quick  the same for FUZZ_QUICK_SECONDS (15) each: what CI runs after `make test`
@@ -40,7 +41,7 @@ FUZZ_SECONDS ?= 600
 FUZZ_QUICK_SECONDS ?= 15
 
 .PHONY: all build build-wasm build-idemstore envoy test unit clippy clippy-native clippy-wasm \
-        e2e bench fuzz fuzz-quick run demo clean distclean help
+        e2e bench fuzz fuzz-quick run demo image clean distclean help
 
 all: build
 
@@ -132,6 +133,35 @@ run: build envoy
 demo: build envoy
 	ENVOY_BIN="$(ENVOY_BIN)" IDEMSTORE_BIN="$(IDEMSTORE)" PYTHON="$(PYTHON)" REDIS="$(REDIS)" \
 	  bash demo/demo.sh
+
+## ---- images --------------------------------------------------------------------------------
+
+IMAGE_REGISTRY ?= REGISTRY
+IMAGE_TAG ?= 0.1.0
+WASM_IMAGE := $(IMAGE_REGISTRY)/idempotency-filter:$(IMAGE_TAG)
+IDEMSTORE_IMAGE := $(IMAGE_REGISTRY)/idemstore:$(IMAGE_TAG)
+
+# `make image [IMAGE_REGISTRY=... IMAGE_TAG=...]`: the filter as an OCI image (/plugin.wasm in
+# one layer, what Istio's WasmPlugin pulls) and idemstore's image. Needs a Docker engine with
+# BuildKit (buildx); without one it builds nothing, says why, prints the oras alternative for
+# the filter and fails.
+image: build-wasm
+	@if ! docker info >/dev/null 2>&1; then \
+	  echo "image: no Docker engine answers (\`docker info\` failed): no image built." >&2; \
+	  echo "image: the filter can be pushed without one, with oras, in the two-layer layout Istio's fetcher reads:" >&2; \
+	  printf '  %s\n' \
+	    'cd "$$(mktemp -d)"' \
+	    'cp $(WASM) plugin.wasm' \
+	    "printf '%s' '{\"type\":\"envoy_proxy\",\"abi_version\":\"v0.2.1\",\"config\":{\"root_ids\":[\"idempotency\"]}}' > runtime-config.json" \
+	    'oras push $(WASM_IMAGE) \' \
+	    '  runtime-config.json:application/vnd.module.wasm.config.v1+json \' \
+	    '  plugin.wasm:application/vnd.module.wasm.content.layer.v1+wasm' >&2; \
+	  exit 1; \
+	fi
+	@docker buildx version >/dev/null 2>&1 || { echo "image: docker buildx (BuildKit) is required: the Dockerfiles use <Dockerfile>.dockerignore and cache mounts" >&2; exit 1; }
+	docker buildx build --provenance=false --load -f envoy/Dockerfile.wasm -t $(WASM_IMAGE) .
+	docker buildx build --load -f idemstore/Dockerfile -t $(IDEMSTORE_IMAGE) .
+	@echo "image: built $(WASM_IMAGE) and $(IDEMSTORE_IMAGE); push them with docker push"
 
 clean:
 	$(CARGO) clean

@@ -1,0 +1,645 @@
+"""Issue 7: the deployment artefacts under envoy/ and the Dockerfiles, checked without a
+container engine or a cluster.
+
+* Every Envoy bootstrap under envoy/ (a YAML file with `static_resources`) passes
+  `envoy --mode validate` with the built wasm substituted for its `filename:`. Validation loads
+  the wasm and runs the filter's configuration check (the negative controls below show it), and
+  resolves no DNS: the compose config's STRICT_DNS service names (`orders`, `idemstore`) are
+  validated as they are, nothing else is rewritten. envoy/envoy.yaml and envoy/jwt-authn.yaml are
+  validated by tests/test_drills.py and tests/test_identity.py; this file covers the others and
+  checks that none is left out.
+* The Istio manifests (envoy/istio/*.yaml): documents well formed; the WasmPlugin's
+  `pluginConfig` accepted by the filter, rendered the way Istio renders it (JSON in a
+  StringValue, no `allow_on_headers_stop_iteration`, `vmConfig.env` as host_env_keys) with the
+  EnvoyFilter's buffer filter and the router after it; `store_cluster` is Istio's cluster name
+  of the idemstore Service; the buffer limit covers `max_body_bytes`; the names the manifests
+  share agree.
+* The docker compose demo: the services Envoy's clusters name exist with those ports, the
+  mounted wasm is the config's `filename`, ports 10000 and 9901 published, Redis with its
+  append-only file, idemstore on that Redis.
+* envoy/Dockerfile.wasm is `FROM scratch` with the module at /plugin.wasm; idemstore/Dockerfile
+  runs as a non-root user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+import harness as h
+
+ENVOY_DIR = h.ROOT / "envoy"
+ISTIO_DIR = ENVOY_DIR / "istio"
+COMPOSE = ENVOY_DIR / "docker-compose.yaml"
+WASM_DOCKERFILE = ENVOY_DIR / "Dockerfile.wasm"
+IDEMSTORE_DOCKERFILE = h.ROOT / "idemstore" / "Dockerfile"
+WASM_BUILD = "target/wasm32-wasip1/release/idempotency_filter.wasm"
+DEFAULT_MAX_BODY_BYTES = 1048576  # the filter's default (README, "Configuration")
+
+# Bootstraps another test already runs through `envoy --mode validate` (with the built wasm).
+VALIDATED_ELSEWHERE = {
+    "envoy/envoy.yaml": "tests/test_drills.py",
+    "envoy/jwt-authn.yaml": "tests/test_identity.py",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(h.ROOT).as_posix()
+
+
+def load_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def bootstrap_files() -> list[Path]:
+    """Every YAML file under envoy/ with a document that has `static_resources`."""
+    found = []
+    for path in sorted(ENVOY_DIR.rglob("*.yaml")):
+        docs = load_docs(path)
+        if any(isinstance(d, dict) and "static_resources" in d for d in docs):
+            found.append(path)
+    return found
+
+
+def with_built_wasm(text: str) -> str:
+    """The config with every wasm `filename:` pointing at the built filter."""
+    out, n = re.subn(r"(filename:\s*)[^\s,}]+\.wasm", lambda m: m.group(1) + h.wasm_path(), text)
+    assert n >= 1, "no wasm filename in the config"
+    return out
+
+
+def envoy_validate(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    run_env = dict(os.environ)
+    if env is not None:
+        run_env.update(env)
+    return subprocess.run([h.envoy_bin(), "--mode", "validate", "-c", str(path), "-l", "warn"],
+                          cwd=h.ROOT, capture_output=True, text=True, timeout=120, env=run_env)
+
+
+def assert_valid(out: subprocess.CompletedProcess, path: Path) -> None:
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert f"configuration '{path}' OK" in text, text
+
+
+def assert_refused(out: subprocess.CompletedProcess, *needles: str) -> None:
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, "envoy --mode validate accepted it:\n" + text
+    assert "idempotency filter refused its configuration" in text, text
+    for needle in needles:
+        assert needle in text, text
+
+
+@pytest.fixture(scope="module")
+def work_dir(run_dir) -> Path:
+    d = run_dir / "deploy-configs"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+# --------------------------------------------------------------------------------------------
+# every Envoy bootstrap validates
+# --------------------------------------------------------------------------------------------
+
+BOOTSTRAPS = bootstrap_files()
+
+
+def test_every_envoy_bootstrap_is_validated():
+    """The bootstraps under envoy/ are the known ones plus those validated here; the ones
+    validated elsewhere still exist and are still named by their test."""
+    names = {rel(p) for p in BOOTSTRAPS}
+    for name, test_file in VALIDATED_ELSEWHERE.items():
+        assert name in names, f"{name} is no Envoy bootstrap any more; update VALIDATED_ELSEWHERE"
+        assert Path(name).name in (h.ROOT / test_file).read_text(), f"{test_file} no longer validates {name}"
+    assert "envoy/docker/envoy.yaml" in names, sorted(names)
+
+
+@pytest.mark.parametrize("path", [p for p in BOOTSTRAPS if rel(p) not in VALIDATED_ELSEWHERE], ids=rel)
+def test_envoy_bootstrap_validates(path, work_dir):
+    """`envoy --mode validate` accepts the bootstrap, its wasm path made the built filter (for
+    the compose config, /etc/envoy/idempotency_filter.wasm). Nothing else is rewritten:
+    validation resolves no DNS, so STRICT_DNS clusters naming compose services validate as
+    they are, on a machine where those names do not resolve."""
+    copy = work_dir / ("validate-" + rel(path).replace("/", "-"))
+    copy.write_text(with_built_wasm(path.read_text()))
+    assert_valid(envoy_validate(copy), copy)
+
+
+# --------------------------------------------------------------------------------------------
+# Istio manifests
+# --------------------------------------------------------------------------------------------
+
+CLUSTER_SCOPED = {"Namespace"}
+
+
+def istio_docs() -> dict[str, list[dict]]:
+    return {rel(p): load_docs(p) for p in sorted(ISTIO_DIR.glob("*.yaml"))}
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [d for d in docs if d.get("kind") == kind and (name is None or d["metadata"]["name"] == name)]
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = find(docs, kind, name)
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''} documents"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def istio() -> dict:
+    files = istio_docs()
+    assert {"envoy/istio/wasmplugin.yaml", "envoy/istio/idemstore.yaml"} <= set(files), sorted(files)
+    every = [d for docs in files.values() for d in docs]
+    return {
+        "files": files,
+        "all": every,
+        "plugin": one(files["envoy/istio/wasmplugin.yaml"], "WasmPlugin"),
+        "envoyfilter": one(files["envoy/istio/wasmplugin.yaml"], "EnvoyFilter"),
+        "store": files["envoy/istio/idemstore.yaml"],
+    }
+
+
+def test_istio_manifests_are_well_formed(istio):
+    """Each document of each envoy/istio/*.yaml has apiVersion, kind and metadata.name, and a
+    namespace unless the kind is cluster-scoped; no two documents share kind, namespace, name."""
+    seen = set()
+    for name, docs in istio["files"].items():
+        assert docs, f"{name} is empty"
+        for d in docs:
+            where = f"{name}: {d.get('kind')} {d.get('metadata', {}).get('name')}"
+            assert isinstance(d.get("apiVersion"), str) and d["apiVersion"], where
+            assert isinstance(d.get("kind"), str) and d["kind"], where
+            meta = d.get("metadata")
+            assert isinstance(meta, dict) and isinstance(meta.get("name"), str) and meta["name"], where
+            if d["kind"] not in CLUSTER_SCOPED:
+                assert isinstance(meta.get("namespace"), str) and meta["namespace"], where + ": no namespace"
+            key = (d["kind"], meta.get("namespace"), meta["name"])
+            assert key not in seen, f"{where}: defined twice"
+            seen.add(key)
+
+
+def test_wasmplugin_fields(istio):
+    """The WasmPlugin pulls an OCI image, runs in a phase after Istio's authentication (the
+    subject comes from jwt_authn's metadata), inbound on the application's sidecar, with the
+    filter's configuration in the mode Istio can run (pause_on_headers false)."""
+    p = istio["plugin"]
+    assert p["apiVersion"] == "extensions.istio.io/v1alpha1"
+    spec = p["spec"]
+    assert spec["url"].startswith("oci://"), spec["url"]
+    assert spec["phase"] in ("AUTHZ", "STATS"), "AUTHN runs before jwt_authn: no subject metadata"
+    assert spec["failStrategy"] in ("FAIL_OPEN", "FAIL_CLOSE", "FAIL_RELOAD")
+    assert spec["imagePullPolicy"] in ("IfNotPresent", "Always")
+    assert isinstance(spec.get("priority"), int)
+    assert spec["pluginName"] == "idempotency"
+    assert spec["selector"]["matchLabels"], "selector.matchLabels"
+    assert "targetRefs" not in spec, "selector and targetRefs are exclusive"
+    assert [m["mode"] for m in spec["match"]] == ["SERVER"]
+    assert all(isinstance(port["number"], int) for m in spec["match"] for port in m["ports"])
+    cfg = spec["pluginConfig"]
+    assert isinstance(cfg, dict) and cfg.get("store_cluster")
+    assert cfg["pause_on_headers"] is False, "Istio cannot set allow_on_headers_stop_iteration"
+    assert cfg["subject"] == {"metadata": {"filter": "envoy.filters.http.jwt_authn", "path": ["payload", "sub"]}}
+    env = {e["name"]: e for e in spec.get("vmConfig", {}).get("env", [])}
+    if "store_secret_env" in cfg:
+        assert env[cfg["store_secret_env"]].get("valueFrom") == "HOST", "the secret comes from the sidecar's env"
+
+
+def istio_rendered_filter(plugin: dict, failure_policy: str = "FAIL_CLOSED") -> dict:
+    """The Wasm HTTP filter Istio builds from a WasmPlugin (pilot/pkg/model/extensions.go): name
+    <namespace>.<name>, root_id = pluginName, the pluginConfig as JSON in a StringValue,
+    vmConfig.env as environment_variables (HOST -> host_env_keys, INLINE -> key_values), the V8
+    runtime, and no allow_on_headers_stop_iteration (false). Rendered fail-closed whatever the
+    manifest's failStrategy, so that a refused configuration fails validation."""
+    spec = plugin["spec"]
+    host_keys = [e["name"] for e in spec.get("vmConfig", {}).get("env", []) if e.get("valueFrom") == "HOST"]
+    inline = {e["name"]: e.get("value", "") for e in spec.get("vmConfig", {}).get("env", [])
+              if e.get("valueFrom", "INLINE") == "INLINE"}
+    vm = {"runtime": "envoy.wasm.runtime.v8", "code": {"local": {"filename": h.wasm_path()}}}
+    if host_keys or inline:
+        vm["environment_variables"] = {"host_env_keys": host_keys, "key_values": inline}
+    return {
+        "name": f"{plugin['metadata']['namespace']}.{plugin['metadata']['name']}",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": f"{plugin['metadata']['namespace']}.{plugin['metadata']['name']}",
+                "root_id": spec["pluginName"],
+                "allow_on_headers_stop_iteration": False,
+                "failure_policy": failure_policy,
+                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                  "value": json.dumps(spec.get("pluginConfig", {}))},
+                "vm_config": vm,
+            },
+        },
+    }
+
+
+def buffer_patch(envoyfilter: dict) -> dict:
+    patches = [p for p in envoyfilter["spec"]["configPatches"]
+               if p["patch"]["value"].get("name") == "envoy.filters.http.buffer"]
+    assert len(patches) == 1, envoyfilter
+    return patches[0]
+
+
+def sidecar_config(istio: dict, plugin_config: dict | None = None) -> dict:
+    """An inbound listener as the sidecar would have it: the rendered filter, the EnvoyFilter's
+    buffer filter, the router; and a cluster named like Istio's for idemstore."""
+    plugin = json.loads(json.dumps(istio["plugin"]))
+    if plugin_config is not None:
+        plugin["spec"]["pluginConfig"] = plugin_config
+    cfg = plugin["spec"]["pluginConfig"]
+    # Validation binds no port: fixed numbers do.
+    store = h.static_cluster(cfg["store_cluster"], 8380, http2=True)
+    filters = [istio_rendered_filter(plugin), buffer_patch(istio["envoyfilter"])["patch"]["value"]]
+    return {
+        "static_resources": {
+            "listeners": [h.listener("inbound", 10000, filters)],  # the router is appended
+            "clusters": [h.static_cluster("upstream", 8080), store],
+        },
+    }
+
+
+def secret_env(plugin: dict) -> dict:
+    name = plugin["spec"]["pluginConfig"].get("store_secret_env")
+    return {name: "test-secret-for-validation"} if name else {}
+
+
+def test_plugin_config_accepted_by_the_filter(istio, work_dir):
+    """A real Envoy 1.40 loads the filter with the WasmPlugin's pluginConfig as Istio renders
+    it, followed by the EnvoyFilter's buffer filter, in the sidecar's environment (the
+    store_secret_env variable set). Two controls show that `--mode validate` really runs the
+    filter's configuration check: an out-of-range value is refused, and so is the same
+    configuration when the sidecar lacks the secret's variable."""
+    plugin = istio["plugin"]
+    path = work_dir / "istio-sidecar.yaml"
+    path.write_text(json.dumps(sidecar_config(istio), indent=2))
+    assert_valid(envoy_validate(path, secret_env(plugin)), path)
+
+    bad = dict(plugin["spec"]["pluginConfig"], retention_seconds=0)
+    bad_path = work_dir / "istio-sidecar-bad.yaml"
+    bad_path.write_text(json.dumps(sidecar_config(istio, bad), indent=2))
+    assert_refused(envoy_validate(bad_path, secret_env(plugin)), "retention_seconds")
+
+    name = plugin["spec"]["pluginConfig"].get("store_secret_env")
+    if name:
+        env = {k: v for k, v in os.environ.items() if k != name}
+        out = subprocess.run([h.envoy_bin(), "--mode", "validate", "-c", str(path), "-l", "warn"],
+                             cwd=h.ROOT, capture_output=True, text=True, timeout=120, env=env)
+        assert_refused(out, "store_secret_env")
+
+
+def service_fqdn_port(store_cluster: str) -> tuple[str, int, str]:
+    m = re.fullmatch(r"outbound\|(\d+)\|([^|]*)\|([a-z0-9.-]+)", store_cluster)
+    assert m, f"{store_cluster!r} is not an Istio outbound cluster name (outbound|<port>|<subset>|<host>)"
+    return m.group(3), int(m.group(1)), m.group(2)
+
+
+def test_store_cluster_is_the_idemstore_service(istio):
+    """`store_cluster` is outbound|<port>||<service>.<namespace>.svc.cluster.local of the
+    idemstore Service in idemstore.yaml, that port declared HTTP/2 for Istio (h2c to idemstore),
+    its targetPort the one idemstore listens on, and the Service selecting the Deployment."""
+    host, port, subset = service_fqdn_port(istio["plugin"]["spec"]["pluginConfig"]["store_cluster"])
+    assert subset == ""
+    svc_name, ns, tail = host.split(".", 2)
+    assert tail == "svc.cluster.local", host
+    svc = one(istio["store"], "Service", svc_name)
+    assert svc["metadata"]["namespace"] == ns
+    ports = [p for p in svc["spec"]["ports"] if p["port"] == port]
+    assert len(ports) == 1, f"the Service has no port {port}: {svc['spec']['ports']}"
+    sp = ports[0]
+    assert sp.get("appProtocol") in ("http2", "grpc", "kubernetes.io/h2c") or \
+        re.match(r"^(http2|grpc)(-|$)", sp.get("name", "")), f"port {port} not declared HTTP/2: {sp}"
+
+    dep = one(istio["store"], "Deployment", svc_name)
+    assert dep["metadata"]["namespace"] == ns
+    pod = dep["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items()), "Service selects no idemstore pod"
+    (c,) = pod["spec"]["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    listen = env["IDEMSTORE_LISTEN"]["value"]
+    assert listen.startswith("0.0.0.0:") and int(listen.rsplit(":", 1)[1]) == sp.get("targetPort", port)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["port"] == sp.get("targetPort", port)
+
+
+def test_idemstore_deployment_and_redis(istio):
+    """idemstore: 2 replicas, non-root, its secret from a Secret of its namespace, on the Redis
+    Service of idemstore.yaml; Redis with the append-only file (fsync every second) on a
+    volume, never evicting, its port plain TCP for Istio (not the redis protocol)."""
+    docs = istio["store"]
+    dep = one(docs, "Deployment", "idemstore")
+    ns = dep["metadata"]["namespace"]
+    assert one(docs, "Namespace", ns)
+    spec = dep["spec"]
+    assert spec["replicas"] == 2
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"].get("runAsUser", 1) != 0
+    (c,) = pod["containers"]
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    env = {e["name"]: e for e in c["env"]}
+    ref = env["IDEMSTORE_SECRET"]["valueFrom"]["secretKeyRef"]
+    secret = one(docs, "Secret", ref["name"])
+    assert secret["metadata"]["namespace"] == ns and ref["key"] in secret["stringData"]
+
+    redis_url = urlsplit(env["IDEMSTORE_REDIS"]["value"])
+    assert redis_url.scheme == "redis"
+    r_name, r_ns, tail = redis_url.hostname.split(".", 2)
+    assert (r_ns, tail) == (ns, "svc.cluster.local"), redis_url.hostname
+    r_svc = one(docs, "Service", r_name)
+    (r_port,) = r_svc["spec"]["ports"]
+    assert r_port["port"] == (redis_url.port or 6379)
+    assert r_port.get("appProtocol") == "tcp" or r_port["name"].startswith("tcp"), r_port
+
+    (redis,) = [d for d in docs if d["kind"] in ("StatefulSet", "Deployment") and d["metadata"]["name"] == r_name]
+    labels = redis["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in r_svc["spec"]["selector"].items())
+    (rc,) = redis["spec"]["template"]["spec"]["containers"]
+    args = rc["args"]
+    opts = dict(zip(args[::2], args[1::2]))
+    assert opts["--appendonly"] == "yes"
+    assert opts["--appendfsync"] in ("everysec", "always")
+    assert opts["--maxmemory-policy"] == "noeviction"
+    data_dir = opts["--dir"]
+    assert any(m["mountPath"] == data_dir for m in rc["volumeMounts"]), "the AOF is not on the volume"
+    assert rc["ports"][0]["containerPort"] == r_port.get("targetPort", r_port["port"])
+
+
+def test_buffer_filter_covers_max_body_bytes(istio):
+    """The EnvoyFilter puts envoy.filters.http.buffer right before the router, on the same
+    workloads, namespace and port as the WasmPlugin (inbound, like its SERVER match), with
+    max_request_bytes at least the filter's max_body_bytes, so the filter answers an
+    oversized body itself."""
+    plugin, ef = istio["plugin"], istio["envoyfilter"]
+    assert ef["metadata"]["namespace"] == plugin["metadata"]["namespace"]
+    assert ef["spec"]["workloadSelector"]["labels"] == plugin["spec"]["selector"]["matchLabels"]
+    patch = buffer_patch(ef)
+    assert patch["applyTo"] == "HTTP_FILTER"
+    assert patch["patch"]["operation"] == "INSERT_BEFORE"
+    match = patch["match"]
+    assert match["context"] == "SIDECAR_INBOUND"
+    listener = match["listener"]
+    assert listener["filterChain"]["filter"]["name"] == "envoy.filters.network.http_connection_manager"
+    assert listener["filterChain"]["filter"]["subFilter"]["name"] == "envoy.filters.http.router"
+    ports = {p["number"] for m in plugin["spec"]["match"] for p in m["ports"]}
+    assert listener["portNumber"] in ports
+    typed = patch["patch"]["value"]["typed_config"]
+    assert typed["@type"] == "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
+    max_body = plugin["spec"]["pluginConfig"].get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    assert int(typed["max_request_bytes"]) >= max_body
+
+
+def test_secret_copies_agree(istio):
+    """The shared secret exists in idemstore's namespace and in the WasmPlugin's (for the
+    sidecar), with the same value (the same placeholder, substituted together)."""
+    secrets = find(istio["all"], "Secret")
+    by_ns = {s["metadata"]["namespace"]: s for s in secrets}
+    plugin_ns = istio["plugin"]["metadata"]["namespace"]
+    store_ns = one(istio["store"], "Deployment", "idemstore")["metadata"]["namespace"]
+    assert {plugin_ns, store_ns} <= set(by_ns), sorted(by_ns)
+    assert by_ns[plugin_ns]["stringData"] == by_ns[store_ns]["stringData"]
+
+
+# --------------------------------------------------------------------------------------------
+# docker compose
+# --------------------------------------------------------------------------------------------
+
+
+def mounts(service: dict) -> list[tuple[str, str]]:
+    """(source, target) of each volume entry, short or long syntax."""
+    out = []
+    for v in service.get("volumes", []):
+        if isinstance(v, str):
+            parts = v.split(":")
+            out.append((parts[0], parts[1]))
+        else:
+            out.append((v.get("source", ""), v["target"]))
+    return out
+
+
+def host_path(source: str) -> Path | None:
+    """A bind mount's host path (relative to the compose file's directory); None for a named
+    volume."""
+    if not source.startswith((".", "/")):
+        return None
+    return (COMPOSE.parent / source).resolve()
+
+
+def command(service: dict) -> list[str]:
+    cmd = service.get("command", [])
+    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+
+
+def environment(service: dict) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(e.split("=", 1) for e in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def published(service: dict) -> set[int]:
+    """Container ports published on the host."""
+    out = set()
+    for p in service.get("ports", []):
+        if isinstance(p, dict):
+            out.add(int(p["target"]))
+        else:
+            out.add(int(str(p).rsplit(":", 1)[-1].split("/")[0]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    c = yaml.safe_load(COMPOSE.read_text())
+    services = c["services"]
+    envoy = services["envoy"]
+    cmd = command(envoy)
+    config_target = cmd[cmd.index("-c") + 1]
+    (config_source,) = [s for s, t in mounts(envoy) if t == config_target]
+    config_path = host_path(config_source)
+    return {"services": services, "envoy": envoy, "config_path": config_path,
+            "config": yaml.safe_load(config_path.read_text())}
+
+
+def test_compose_envoy_config_and_wasm(compose):
+    """The Envoy service runs the official 1.40 image on envoy/docker/envoy.yaml, with the host
+    build of the filter mounted where that config's vm_config loads it from; it publishes the
+    listener (10000) and admin (9901) ports, on which the config listens on every interface."""
+    envoy, config = compose["envoy"], compose["config"]
+    assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
+    assert compose["config_path"] == ENVOY_DIR / "docker" / "envoy.yaml"
+    filenames = re.findall(r"filename:\s*(\S+\.wasm)", compose["config_path"].read_text())
+    assert filenames == ["/etc/envoy/idempotency_filter.wasm"], filenames
+    sources = [s for s, t in mounts(envoy) if t == filenames[0]]
+    assert [host_path(s) for s in sources] == [h.ROOT / WASM_BUILD]
+    listeners = config["static_resources"]["listeners"]
+    ports = {l["address"]["socket_address"]["port_value"] for l in listeners}
+    admin = config["admin"]["address"]["socket_address"]
+    assert ports == {10000} and admin["port_value"] == 9901
+    assert {l["address"]["socket_address"]["address"] for l in listeners} == {"0.0.0.0"}
+    assert admin["address"] == "0.0.0.0"
+    assert published(envoy) == {10000, 9901}
+
+
+def test_compose_services_match_envoy_clusters(compose):
+    """Each cluster of the compose Envoy config names a compose service, on the port that
+    service listens on (idemstore: IDEMSTORE_LISTEN; the orders app: its --port), and names it
+    by DNS (STRICT_DNS or LOGICAL_DNS)."""
+    services = compose["services"]
+    listening = {
+        "idemstore": int(environment(services["idemstore"])["IDEMSTORE_LISTEN"].rsplit(":", 1)[1]),
+        "orders": int(command(services["orders"])[command(services["orders"]).index("--port") + 1]),
+    }
+    clusters = compose["config"]["static_resources"]["clusters"]
+    assert {c["name"] for c in clusters} == {"app", "idemstore"}
+    for c in clusters:
+        assert c["type"] in ("STRICT_DNS", "LOGICAL_DNS"), c["name"]
+        for group in c["load_assignment"]["endpoints"]:
+            for ep in group["lb_endpoints"]:
+                sa = ep["endpoint"]["address"]["socket_address"]
+                assert sa["address"] in services, f"cluster {c['name']}: no compose service {sa['address']}"
+                assert sa["address"] in listening, sa["address"]
+                assert sa["port_value"] == listening[sa["address"]], (c["name"], sa)
+    assert "0.0.0.0" in environment(services["idemstore"])["IDEMSTORE_LISTEN"]
+    orders_cmd = command(services["orders"])
+    assert orders_cmd[orders_cmd.index("--host") + 1] == "0.0.0.0"
+    # The script it runs is demo/orders_app.py, through the mount of demo/.
+    (demo_target,) = [t for s, t in mounts(services["orders"]) if host_path(s) == h.ROOT / "demo"]
+    prefix = demo_target.rstrip("/") + "/"
+    scripts = [h.ROOT / "demo" / a[len(prefix):] for a in orders_cmd if a.startswith(prefix)]
+    assert scripts == [h.ROOT / "demo" / "orders_app.py"], orders_cmd
+    build = services["idemstore"]["build"]
+    assert (COMPOSE.parent / build["context"]).resolve() == h.ROOT
+    assert build["dockerfile"] == rel(IDEMSTORE_DOCKERFILE)
+
+
+def redis_settings(service: dict) -> dict[str, str]:
+    """Redis's effective settings: the mounted config file, then the command line after it."""
+    cmd = command(service)
+    assert cmd[0] == "redis-server", cmd
+    settings: dict[str, str] = {}
+    args = cmd[1:]
+    if args and not args[0].startswith("--"):
+        (source,) = [s for s, t in mounts(service) if t == args[0]]
+        for line in host_path(source).read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                key, _, value = line.partition(" ")
+                settings[key.lower()] = value.strip().strip('"')
+        args = args[1:]
+    for key, value in zip(args[::2], args[1::2]):
+        assert key.startswith("--"), args
+        settings[key[2:].lower()] = value
+    return settings
+
+
+def test_compose_redis_and_idemstore(compose):
+    """Redis keeps the append-only file (fsync every second) on a named volume and never
+    evicts; idemstore's IDEMSTORE_REDIS points at the redis service and its port."""
+    services = compose["services"]
+    redis = services["redis"]
+    settings = redis_settings(redis)
+    assert settings["appendonly"] == "yes"
+    assert settings["appendfsync"] in ("everysec", "always")
+    assert settings["maxmemory-policy"] == "noeviction"
+    assert settings["bind"] != "127.0.0.1", "bound to the container's loopback: idemstore cannot reach it"
+    data = [s for s, t in mounts(redis) if t == settings["dir"]]
+    assert len(data) == 1 and host_path(data[0]) is None and data[0] in compose_volumes(), data
+    url = urlsplit(environment(services["idemstore"])["IDEMSTORE_REDIS"])
+    assert url.scheme == "redis" and url.hostname == "redis"
+    assert (url.port or 6379) == int(settings.get("port", 6379))
+
+
+def compose_volumes() -> set[str]:
+    return set((yaml.safe_load(COMPOSE.read_text()).get("volumes") or {}).keys())
+
+
+# --------------------------------------------------------------------------------------------
+# Dockerfiles
+# --------------------------------------------------------------------------------------------
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if pending and stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        full = (pending + stripped).strip()
+        pending = ""
+        word, _, rest = full.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    assert not pending, f"{path}: dangling continuation"
+    return out
+
+
+def dockerignore_keeps(path: Path) -> list[str]:
+    ignore = path.with_name(path.name + ".dockerignore")
+    assert ignore.exists(), f"{rel(ignore)} (keeps target/ out of the build context)"
+    lines = [l.strip() for l in ignore.read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert lines[0] == "*", "the context starts empty and re-includes what the build copies"
+    return [l[1:].rstrip("/") for l in lines if l.startswith("!")]
+
+
+def test_wasm_dockerfile_layout():
+    """FROM scratch, and exactly one COPY (one layer), of the built filter to /plugin.wasm:
+    the layout Istio's WasmPlugin and Envoy Gateway read. The Dockerfile's ignore file lets
+    that one file into the build context."""
+    ins = instructions(WASM_DOCKERFILE)
+    assert [a for i, a in ins if i == "FROM"] == ["scratch"]
+    assert not [i for i, _ in ins if i in ("RUN", "ADD")]
+    copies = [a for i, a in ins if i == "COPY"]
+    assert len(copies) == 1, copies
+    src, dest = copies[0].split()
+    args = dict(a.split("=", 1) for i, a in ins if i == "ARG" and "=" in a)
+    src = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args[m.group(1) or m.group(2)], src)
+    assert dest == "/plugin.wasm"
+    assert src == WASM_BUILD
+    assert WASM_BUILD in dockerignore_keeps(WASM_DOCKERFILE)
+
+
+def test_idemstore_dockerfile_layout():
+    """A Rust builder stage that builds idemstore from the workspace, and a runtime stage that
+    runs it as a user other than root, listening on 0.0.0.0:8380 (EXPOSE 8380); everything the
+    build copies is in its build context."""
+    ins = instructions(IDEMSTORE_DOCKERFILE)
+    froms = [a for i, a in ins if i == "FROM"]
+    assert len(froms) >= 2, "multi-stage"
+    assert froms[0].startswith("rust:1.95"), froms[0]
+    runs = " ".join(a for i, a in ins if i == "RUN")
+    assert re.search(r"cargo build --release\b.*-p idemstore", runs), runs
+    final = ins[max(n for n, (i, _) in enumerate(ins) if i == "FROM"):]
+    users = [a for i, a in final if i == "USER"]
+    assert users, "the runtime stage sets no USER"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0", ""), users[-1]
+    assert "8380" in [a for i, a in final if i == "EXPOSE"]
+    envs = " ".join(a for i, a in final if i == "ENV")
+    assert re.search(r"IDEMSTORE_LISTEN[= ]\"?0\.0\.0\.0:8380", envs), envs
+    keeps = dockerignore_keeps(IDEMSTORE_DOCKERFILE)
+    for i, a in ins:
+        if i == "COPY" and "--from" not in a:
+            *sources, _ = a.split()
+            for s in sources:
+                assert s in keeps, f"COPY {s}: not in the build context ({keeps})"
