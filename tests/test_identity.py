@@ -337,10 +337,17 @@ def test_numeric_claim_subject_separates_users(ident, idp):
 # --------------------------------------------------------------------------------------------
 
 
+def envoy_version() -> tuple[int, int]:
+    out = subprocess.run([h.envoy_bin(), "--version"], capture_output=True, text=True, timeout=30).stdout
+    m = re.search(r"/(\d+)\.(\d+)\.\d+/", out)
+    assert m, out
+    return int(m.group(1)), int(m.group(2))
+
+
 def test_header_subject_is_safe_only_where_envoy_strips_the_header(ident, idp):
     """`subject: {"header": "x-jwt-sub"}`, the header set by jwt_authn `claim_to_headers`
-    (sub -> x-jwt-sub). jwt_authn removes a client's x-jwt-sub from every request it sees
-    (Envoy 1.40: also where no rule applies, here /payments), so a client cannot claim to be A.
+    (sub -> x-jwt-sub). jwt_authn removes a client's x-jwt-sub from the requests it verifies
+    (Envoy 1.40: from every request, also where no rule applies, here /payments).
     The same subject without jwt_authn in the chain (`header_only`) is whatever the client
     sends: two clients on two addresses both "are" A and share A's records."""
     ln = "claim_header"
@@ -355,15 +362,24 @@ def test_header_subject_is_safe_only_where_envoy_strips_the_header(ident, idp):
     ex = ident.upstream.executions(key=key, headers=True)
     assert [received_header(e, CLAIM_HEADER) for e in ex] == [[ALICE], []], ex
 
-    # No jwt_authn rule for /payments: the client's header is still removed, so two clients
-    # claiming A from two addresses are two anonymous callers.
+    # No jwt_authn rule for /payments. Envoy 1.40 still removes the client's header (runtime
+    # guard jwt_authn_sanitize_payload_headers_filter_wide, default on), so two clients claiming
+    # A from two addresses are two anonymous callers. Envoy 1.36 removed it only where a rule
+    # verified a token: there the header subject is the client's pick (why the README prefers
+    # the metadata subject). Releases in between were not measured.
     key2 = new_key("claim-norule")
     p1 = ident.post(key2, listener=ln, path="/payments", headers=[(CLAIM_HEADER, ALICE)], source="127.0.0.1")
     p2 = ident.post(key2, listener=ln, path="/payments", headers=[(CLAIM_HEADER, ALICE)], source="127.0.0.3")
     assert_executed(p1, 201)
-    assert_executed(p2, 201)
-    ex = ident.upstream.executions(key=key2, headers=True)
-    assert [received_header(e, CLAIM_HEADER) for e in ex] == [[], []], ex
+    version = envoy_version()
+    if version >= (1, 40):
+        assert_executed(p2, 201)
+        ex = ident.upstream.executions(key=key2, headers=True)
+        assert [received_header(e, CLAIM_HEADER) for e in ex] == [[], []], ex
+    elif version <= (1, 36):
+        assert_replay_of(p2, p1)
+        ex = ident.upstream.executions(key=key2, headers=True)
+        assert [received_header(e, CLAIM_HEADER) for e in ex] == [[ALICE]], ex
 
     # Nothing in Envoy removes the header: the client picks its subject.
     key3 = new_key("header-only")
