@@ -107,6 +107,7 @@ fn to_json(c: &Config) -> Value {
         detached_timeout_ms,
         store_key_header,
         store_secret,
+        pause_on_headers,
     } = c;
     let subject = match subject {
         Subject::ClientIp => Value::Null,
@@ -132,5 +133,6 @@ fn to_json(c: &Config) -> Value {
         "detached_timeout_ms": detached_timeout_ms,
         "store_key_header": store_key_header,
         "store_secret": store_secret.as_ref().map(StoreSecret::as_str),
+        "pause_on_headers": pause_on_headers,
     })
 }
