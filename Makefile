@@ -5,7 +5,9 @@
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
 #   make demo     the local stack plus a scripted story against it; exits 0 if every step behaved
 #   make image    OCI images of the filter (/plugin.wasm) and idemstore (needs a Docker engine)
-#   make bench    latency against a no-filter Envoy in the same run; figures to bench/RESULTS.md
+#   make bench    throughput (wrk) and latency against a no-filter Envoy in the same run, profiles;
+#                 medians and ratios to bench/RESULTS.md (about 15 minutes)
+#   make bench-quick  one short round of every throughput scenario (< 60 s); last line: the ratios
 #   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (600) each, one after the other
 #   make fuzz-quick  the same for FUZZ_QUICK_SECONDS (15) each: what CI runs after `make test`
 #
@@ -41,7 +43,7 @@ FUZZ_SECONDS ?= 600
 FUZZ_QUICK_SECONDS ?= 15
 
 .PHONY: all build build-wasm build-idemstore envoy test unit clippy clippy-native clippy-wasm \
-        e2e bench fuzz fuzz-quick run demo image clean distclean help
+        e2e bench bench-quick fuzz fuzz-quick run demo image clean distclean help
 
 all: build
 
@@ -107,9 +109,23 @@ e2e: build envoy
 
 ## ---- benchmarks ------------------------------------------------------------------------
 
+# bench/throughput.py drives the filter Envoy and a no-filter Envoy alternately with wrk (3 x 10 s
+# per scenario) and writes the "Throughput" and "Where the time goes" sections of bench/RESULTS.md;
+# bench/latency.py then writes its "Latency" section. Needs wrk (`apt-get install wrk`).
+# bench/floor-filter (a no-op proxy-wasm filter) is the pass-through baseline.
 bench: build envoy
+	$(CARGO) build --release --target $(WASM_TARGET) --manifest-path bench/floor-filter/Cargo.toml \
+	  --target-dir $(CURDIR)/target/bench-floor
+	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	  FLOOR_WASM="$(CURDIR)/target/bench-floor/$(WASM_TARGET)/release/floor_filter.wasm" \
+	  timeout --kill-after=10 1800 $(PYTHON) bench/throughput.py
 	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  timeout --kill-after=10 900 $(PYTHON) bench/latency.py
+
+# One round of 3 s per scenario, no profiles, RESULTS.md untouched; the last line sums up the ratios.
+bench-quick: build envoy
+	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	  timeout --kill-after=10 300 $(PYTHON) bench/throughput.py --quick
 
 ## ---- fuzzing ---------------------------------------------------------------------------
 

@@ -1,0 +1,1107 @@
+"""Throughput of the filter, against a no-filter Envoy in the same run, driven by wrk.
+
+The stack, all on loopback:
+
+- upstream: an Envoy (`--concurrency 2`) answering every request itself (`direct_response`,
+  201, a small JSON body with `content-type: application/json`, so answers are storable) after
+  reading the whole request body (`envoy.filters.http.buffer`). Two listeners: `fast` answers at
+  once; `slow` first waits 5 ms (`envoy.filters.http.fault`, fixed delay on every request);
+- Redis (`redis-server`, no persistence) and idemstore on it;
+- `idem`: Envoy `--concurrency 2` with the filter (default configuration but `store_cluster`),
+  routes `slow` (`/slow...` -> the 5 ms upstream) and `fast` (everything else);
+- `plain`: the same Envoy, same listener and routes, router only.
+
+Scenarios (SCENARIOS below): pass-through, unique keys (1 KiB, 64 KiB, 1 MiB bodies, and 1 KiB
+on one connection for the added latency), replay (fast and 5 ms upstream), duplicate bursts.
+Each scenario runs wrk (`bench/load.lua`) against `plain` and `idem` alternately (round r:
+plain then idem for even r, idem then plain for odd r) and reports medians over the rounds of
+throughput and p50/p99 latency, the ratio idem/plain, store calls per request (idemstore's
+`idemstore_requests_total` by `op`, scraped before and after every run), the filter's outcome
+counters, upstream requests per client request, and CPU time per request of every process
+(utime+stime from /proc, wrk's from its rusage). wrk, the three Envoys, idemstore and Redis share
+the machine's cores.
+
+A full run also measures, for "Where the time goes": the filter VMs' memory under 100,000 unique
+keys on the fresh filter Envoy (first; from /proc/<pid>/smaps, as Envoy has no wasm memory stat),
+Envoy's `/stats?filter=wasm`, the filter's store call latency on one connection, one store round
+trip straight to idemstore, and a CPU profile of idemstore, the filter Envoy and Redis under
+unique-key load (`perf record -e cpu-clock`; callgrind on idemstore where perf cannot sample).
+
+    python3 bench/throughput.py              # full: 3 rounds x 10 s, memory, profiles, writes RESULTS.md
+    python3 bench/throughput.py --quick      # 1 round x 3 s, no profiles, nothing written
+    python3 bench/throughput.py --scenarios unique-1k,replay --rounds 1 --duration 3 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import harness as h  # noqa: E402
+
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "RESULTS.md"
+LOAD_LUA = BENCH / "load.lua"
+UPSTREAM_BODY = '{"id":"ord_000001","status":"created","item":"book","qty":1}'
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    what: str
+    path: str
+    mode: str  # none | unique | replay | burst (bench/load.lua)
+    size: int
+    n: int = 1
+    threads: int = 2
+    conns: int = 16
+
+
+SCENARIOS = [
+    Scenario("passthrough", "POST without a key, 1 KiB", "/fast/orders", "none", 1024),
+    Scenario("unique-1k", "a new key per request, 1 KiB", "/fast/orders", "unique", 1024),
+    Scenario("unique-1k-c1", "the same on one connection (added latency)", "/fast/orders", "unique", 1024,
+             threads=1, conns=1),
+    Scenario("unique-64k", "a new key per request, 64 KiB", "/fast/orders", "unique", 64 * 1024),
+    Scenario("replay", "8 stored keys over and over, 1 KiB", "/fast/orders", "replay", 1024, n=8),
+    Scenario("replay-5ms", "8 stored keys, 5 ms upstream, 1 KiB", "/slow/orders", "replay", 1024, n=8),
+    Scenario("burst", "20 duplicates per key on 20 connections, 1 KiB", "/fast/orders", "burst", 1024,
+             n=20, threads=1, conns=20),
+    Scenario("body-1m", "a new key per request, 1 MiB", "/fast/orders", "unique", MIB),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+COMPONENTS = ["envoy", "upstream", "idemstore", "redis", "wrk"]
+
+
+# --------------------------------------------------------------------------------------------
+# the stack
+# --------------------------------------------------------------------------------------------
+
+
+def upstream_listener(name: str, port: int, delay_ms: int) -> dict:
+    filters = [{
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                         "max_request_bytes": 4 * MIB},
+    }]
+    if delay_ms:
+        filters.append({
+            "name": "envoy.filters.http.fault",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault",
+                "delay": {"fixed_delay": f"{delay_ms / 1000:.3f}s",
+                          "percentage": {"numerator": 100, "denominator": "HUNDRED"}},
+            },
+        })
+    routes = [{
+        "match": {"prefix": "/"},
+        "direct_response": {"status": 201, "body": {"inline_string": UPSTREAM_BODY}},
+        "response_headers_to_add": [{
+            "header": {"key": "content-type", "value": "application/json"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }],
+    }]
+    lst = h.listener(name, port, filters, routes)
+    lst["per_connection_buffer_limit_bytes"] = 4 * MIB
+    return lst
+
+
+def front_config(admin_port: int, port: int, filters: list[dict], fast_port: int, slow_port: int,
+                 store_port: int) -> dict:
+    routes = [
+        {"name": "slow", "match": {"prefix": "/slow"}, "route": {"cluster": "up_slow", "timeout": "20s"}},
+        {"name": "fast", "match": {"prefix": "/"}, "route": {"cluster": "up_fast", "timeout": "20s"}},
+    ]
+    return {
+        "admin": {"address": {"socket_address": {"address": h.LOOPBACK, "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [h.listener("edge", port, filters, routes)],
+            "clusters": [
+                h.static_cluster("up_fast", fast_port),
+                h.static_cluster("up_slow", slow_port),
+                h.store_cluster(store_port),
+            ],
+        },
+    }
+
+
+def floor_wasm() -> str | None:
+    """bench/floor-filter's build (`make bench` builds it), or None."""
+    path = Path(os.environ.get("FLOOR_WASM") or ROOT / "target/bench-floor/wasm32-wasip1/release/floor_filter.wasm")
+    return str(path) if path.exists() else None
+
+
+class Stack:
+    def __init__(self, run_dir: Path, floor: str | None = None):
+        self.run_dir = run_dir
+        self.procs: list[h.Proc] = []
+        self.floor = floor
+
+    def start(self) -> None:
+        rd = self.run_dir
+        self.redis, self.redis_port = h.start_redis(rd)
+        self.procs.append(self.redis)
+        self.store, self.store_port = h.spawn_idemstore(rd, redis_url=f"redis://{h.LOOPBACK}:{self.redis_port}")
+        self.procs.append(self.store)
+
+        up_admin, self.fast_port, self.slow_port = h.free_port(), h.free_port(), h.free_port()
+        up_cfg = {
+            "admin": {"address": {"socket_address": {"address": h.LOOPBACK, "port_value": up_admin}}},
+            "static_resources": {"listeners": [upstream_listener("fast", self.fast_port, 0),
+                                               upstream_listener("slow", self.slow_port, 5)]},
+        }
+        self.upstream = h.spawn_envoy_config(rd, "upstream-envoy", up_cfg, up_admin,
+                                             {"fast": self.fast_port, "slow": self.slow_port})
+        self.procs.append(self.upstream.proc)
+
+        self.envoys: dict[str, h.Envoy] = {}
+        wasm = h.wasm_filter({"store_cluster": "idemstore"}, h.wasm_path())
+        fronts = [("plain", []), ("idem", [wasm])]
+        if self.floor:
+            floor = h.wasm_filter("{}", self.floor, vm_id="floor")
+            floor["typed_config"]["config"]["name"] = "floor"
+            floor["typed_config"]["config"]["root_id"] = "floor"
+            fronts.append(("floor", [floor]))
+        for name, filters in fronts:
+            admin, port = h.free_port(), h.free_port()
+            cfg = front_config(admin, port, filters, self.fast_port, self.slow_port, self.store_port)
+            self.envoys[name] = h.spawn_envoy_config(rd, f"envoy-{name}", cfg, admin, {"edge": port})
+            self.procs.append(self.envoys[name].proc)
+
+        h.await_idemstore(self.store, self.store_port)
+        for e in [self.upstream, *self.envoys.values()]:
+            h.await_envoy(e)
+        # A request through each path, checked: storable answer, stored, replayed.
+        for name, e in self.envoys.items():
+            for path in ("/fast/orders", "/slow/orders"):
+                r = h.request(e.port("edge"), "POST", path, "{}", headers=[("content-type", "application/json")])
+                if r.status != 201 or r.header("content-type") != "application/json":
+                    raise SystemExit(f"{name} {path}: unexpected answer {r}")
+        key = f"check-{secrets.token_hex(8)}"
+        hdrs = [("content-type", "application/json"), ("idempotency-key", key)]
+        h.request(self.envoys["idem"].port("edge"), "POST", "/fast/orders", "{}", headers=hdrs)
+        self.envoys["idem"].wait_counter("stored", 1)
+        r = h.request(self.envoys["idem"].port("edge"), "POST", "/fast/orders", "{}", headers=hdrs)
+        if r.header("x-idempotent-replay") != "true":
+            raise SystemExit(f"the filter did not replay: {r}")
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+    def pids(self, target: str) -> dict[str, int]:
+        return {"envoy": self.envoys[target].proc.pid, "upstream": self.upstream.proc.pid,
+                "idemstore": self.store.pid, "redis": self.redis.pid}
+
+    def store_ops(self) -> dict[tuple[str, str], int]:
+        """idemstore_requests_total by (op, outcome), plus ("waited", "") for begins that found
+        the lock held (idemstore_begin_wait_seconds_count)."""
+        status, body = h.http_get_status(self.store_port, "/metrics", timeout=5)
+        if status != 200:
+            raise SystemExit(f"idemstore /metrics answered {status}")
+        text = body.decode()
+        out = {}
+        for m in re.finditer(r'^idemstore_requests_total\{op="([^"]+)",outcome="([^"]+)"\} (\d+)', text, re.M):
+            out[(m.group(1), m.group(2))] = int(m.group(3))
+        m = re.search(r"^idemstore_begin_wait_seconds_count (\d+)", text, re.M)
+        out[("waited", "")] = int(m.group(1)) if m else 0
+        return out
+
+    def settle(self, timeout: float = 3.0) -> None:
+        """Until idemstore's counters stop moving (commits land after the answers)."""
+        deadline = time.monotonic() + timeout
+        last = self.store_ops()
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = self.store_ops()
+            if now == last:
+                return
+            last = now
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all but idle and iowait), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def wasm_memory_kib(pid: int) -> tuple[int, int, int]:
+    """(VMs, linear memory KiB, resident KiB) of the process's wasm memories, from
+    /proc/<pid>/smaps. V8 reserves each 32-bit wasm memory as 8 GiB of address space and makes
+    the current linear memory (its pages so far; it only grows) read-write: an anonymous `rw-p`
+    mapping directly followed by the rest of the reservation, an anonymous `---p` mapping of at
+    least 4 GiB."""
+    maps: list[dict] = []
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    maps.append({"lo": lo, "hi": hi, "perms": parts[1], "anon": len(parts) < 6, "rss": 0})
+                elif parts[0] == "Rss:" and maps:
+                    maps[-1]["rss"] = int(parts[1])
+    except OSError:
+        return 0, 0, 0
+    count = size = rss = 0
+    for prev, m in zip(maps, maps[1:]):
+        if (m["anon"] and m["perms"] == "---p" and m["hi"] - m["lo"] >= 4 << 30
+                and prev["anon"] and prev["perms"] == "rw-p" and prev["hi"] == m["lo"]):
+            count += 1
+            size += (prev["hi"] - prev["lo"]) // 1024
+            rss += prev["rss"]
+    return count, size, rss
+
+
+# --------------------------------------------------------------------------------------------
+# one wrk run
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    target: str
+    rps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    requests: int
+    errors: int
+    non2xx: int
+    cpu: dict[str, float]
+    seconds: float = 0.0
+    machine_busy: float = 0.0
+    store: dict[str, int] = field(default_factory=dict)
+    store_outcomes: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    upstream_rq: int = 0
+
+
+def wrk_bin() -> str:
+    path = os.environ.get("WRK") or shutil.which("wrk")
+    if not path:
+        raise SystemExit("wrk not found: `apt-get install wrk` (.ci/run installs it), or set WRK")
+    return path
+
+
+def upstream_requests(envoy: h.Envoy) -> int:
+    s = envoy.stats(r"^cluster\.up_(fast|slow)\.upstream_rq_total$")
+    return sum(s.values())
+
+
+def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str, log: Path) -> Run:
+    envoy = stack.envoys[target]
+    pids = stack.pids(target)
+    cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+    busy0 = machine_busy_seconds()
+    ops0 = stack.store_ops()
+    out0 = envoy.counters() if target == "idem" else {}
+    up0 = upstream_requests(envoy)
+    url = f"http://{h.LOOPBACK}:{envoy.port('edge')}{sc.path}"
+    argv = [wrk_bin(), "-t", str(sc.threads), "-c", str(sc.conns), "-d", f"{max(1, round(duration))}s", "--timeout", "10s",
+            "--latency", "-s", str(LOAD_LUA), url, "--", sc.mode, str(sc.size), seed, str(sc.n)]
+    with open(log, "ab") as out:
+        out.write(("$ " + " ".join(argv) + "\n").encode())
+        out.flush()
+        start = out.tell()
+        proc = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+        # Reaped here, not by subprocess, to get wrk's own CPU time (rusage).
+        _, status, ru = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    with open(log, "rb") as f:
+        f.seek(start)
+        stdout = f.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"wrk exited {proc.returncode}; see {log}")
+    line = next((ln for ln in stdout.decode().splitlines() if ln.startswith("WRKJSON ")), None)
+    if line is None:
+        raise SystemExit(f"wrk printed no summary; see {log}")
+    w = json.loads(line[len("WRKJSON "):])
+    busy = machine_busy_seconds() - busy0
+    stack.settle()
+    cpu = {k: cpu_seconds(pid) - cpu0[k] for k, pid in pids.items()}
+    cpu["wrk"] = ru.ru_utime + ru.ru_stime
+    run = Run(
+        target=target,
+        rps=w["requests"] / (w["duration_us"] / 1e6),
+        p50_ms=w["p50_us"] / 1000, p90_ms=w["p90_us"] / 1000, p99_ms=w["p99_us"] / 1000,
+        requests=w["requests"],
+        errors=w["connect"] + w["read"] + w["write"] + w["timeout"],
+        non2xx=w["status"],
+        cpu=cpu,
+        seconds=w["duration_us"] / 1e6,
+        machine_busy=busy,
+        upstream_rq=upstream_requests(envoy) - up0,
+    )
+    ops1 = stack.store_ops()
+    for (op, outcome), v in ops1.items():
+        d = v - ops0.get((op, outcome), 0)
+        if op != "waited":
+            run.store[op] = run.store.get(op, 0) + d
+        if d:
+            run.store_outcomes[f"{op}/{outcome}" if outcome else op] = d
+    if target == "idem":
+        out1 = envoy.counters()
+        run.outcomes = {k: v - out0.get(k, 0) for k, v in out1.items() if v - out0.get(k, 0)}
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# scenarios
+# --------------------------------------------------------------------------------------------
+
+
+def prewarm_replay(stack: Stack, sc: Scenario, seed: str) -> None:
+    """Stores the scenario's keys through `idem` (the same body wrk sends), so every wrk request
+    on `idem` is a replay."""
+    body = ('{"pad":"' + "x" * (sc.size - 10) + '"}') if sc.size >= 10 else "{}"
+    idem = stack.envoys["idem"]
+    before = idem.counter("stored")
+    for i in range(sc.n):
+        r = h.request(idem.port("edge"), "POST", sc.path, body,
+                      headers=[("content-type", "application/json"), ("idempotency-key", f"{seed}-{i}")])
+        if r.status != 201:
+            raise SystemExit(f"pre-warm {sc.name}: {r}")
+    if idem.wait_counter("stored", before + sc.n) < before + sc.n:
+        raise SystemExit(f"pre-warm {sc.name}: keys not stored")
+
+
+def run_scenario(stack: Stack, sc: Scenario, rounds: int, duration: float, warmup: float,
+                 run_dir: Path, log) -> dict[str, list[Run]]:
+    targets = ["plain", "idem"] + (["floor"] if sc.mode == "none" and "floor" in stack.envoys else [])
+    runs: dict[str, list[Run]] = {t: [] for t in targets}
+    wrk_log = run_dir / f"wrk-{sc.name}.log"
+    seed = f"{sc.name}-{secrets.token_hex(6)}"
+    if sc.mode == "replay":
+        prewarm_replay(stack, sc, seed)
+    if warmup > 0:
+        for target in targets:
+            run_wrk(stack, target, sc, warmup, f"w{target}-{seed}" if sc.mode != "replay" else seed, wrk_log)
+    for r in range(rounds):
+        order = targets if r % 2 == 0 else targets[::-1]
+        for target in order:
+            run_seed = seed if sc.mode == "replay" else f"{seed}-{target}{r}"
+            run = run_wrk(stack, target, sc, duration, run_seed, wrk_log)
+            runs[target].append(run)
+            log(f"  {sc.name:<12} round {r + 1}/{rounds} {target:<5} {run.rps:9.0f} req/s  "
+                f"p50 {run.p50_ms:6.2f} ms  p99 {run.p99_ms:7.2f} ms  non-2xx {run.non2xx}  errors {run.errors}")
+    return runs
+
+
+@dataclass
+class Summary:
+    sc: Scenario
+    plain: dict
+    idem: dict
+    ratio: float
+    store_per_rq: dict[str, float]
+    outcomes_per_rq: dict[str, float]
+    store_outcomes_per_rq: dict[str, float]
+    upstream_per_rq: dict[str, float]
+    cpu_us: dict[str, dict[str, float]]
+    cores: dict[str, float]
+    problems: list[str]
+    extra: str = ""
+    floor: dict | None = None
+
+
+def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
+    def med(rs: list[Run]) -> dict:
+        return {"rps": statistics.median(r.rps for r in rs), "p50": statistics.median(r.p50_ms for r in rs),
+                "p99": statistics.median(r.p99_ms for r in rs), "requests": sum(r.requests for r in rs),
+                "non2xx": sum(r.non2xx for r in rs), "errors": sum(r.errors for r in rs)}
+
+    plain, idem = med(runs["plain"]), med(runs["idem"])
+    floor = med(runs["floor"]) if runs.get("floor") else None
+    n_idem = max(1, idem["requests"])
+    store: dict[str, int] = {}
+    outcomes: dict[str, int] = {}
+    store_outcomes: dict[str, int] = {}
+    for r in runs["idem"]:
+        for k, v in r.store_outcomes.items():
+            store_outcomes[k] = store_outcomes.get(k, 0) + v
+        for k, v in r.store.items():
+            store[k] = store.get(k, 0) + v
+        for k, v in r.outcomes.items():
+            outcomes[k] = outcomes.get(k, 0) + v
+    cpu_us = {}
+    upstream_per_rq = {}
+    cores = {}
+    for t in runs:
+        secs = max(1e-9, sum(r.seconds for r in runs[t]))
+        cores[t] = sum(sum(r.cpu.values()) for r in runs[t]) / secs
+        cores[t + "-machine"] = sum(r.machine_busy for r in runs[t]) / secs
+        n = max(1, sum(r.requests for r in runs[t]))
+        cpu_us[t] = {c: sum(r.cpu.get(c, 0.0) for r in runs[t]) / n * 1e6 for c in COMPONENTS}
+        upstream_per_rq[t] = sum(r.upstream_rq for r in runs[t]) / n
+    problems = []
+    for t, m in (("no filter", plain), ("filter", idem)):
+        if m["non2xx"] or m["errors"]:
+            problems.append(f"{t}: {m['non2xx']} non-2xx, {m['errors']} socket errors")
+    if floor:
+        extra = (f"a no-op wasm filter (`bench/floor-filter`): {floor['rps']:.0f} req/s, "
+                 f"**{fmt_ratio(floor['rps'] / plain['rps'])}**, p50 {floor['p50']:.2f} ms")
+    else:
+        extra = ""
+    return Summary(sc, plain, idem, idem["rps"] / plain["rps"] if plain["rps"] else 0.0,
+                   {k: v / n_idem for k, v in sorted(store.items())},
+                   {k: v / n_idem for k, v in sorted(outcomes.items())},
+                   {k: v / n_idem for k, v in sorted(store_outcomes.items())}, upstream_per_rq, cpu_us, cores,
+                   problems, extra, floor)
+
+
+def fmt_ratio(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def note(s: Summary) -> str:
+    if s.sc.size >= MIB:
+        mb = lambda rps: rps * s.sc.size / 1e6  # noqa: E731
+        return f"{mb(s.idem['rps']):.0f} MB/s vs {mb(s.plain['rps']):.0f} MB/s"
+    return s.extra
+
+
+def short_note(s: Summary) -> str:
+    """The note for the one-line summary: MB/s, added latency, the no-op filter's ratio."""
+    if s.sc.size >= MIB:
+        return f" ({note(s)})"
+    if s.sc.conns == 1 and s.extra:
+        return f" (p50 +{s.idem['p50'] - s.plain['p50']:.2f} ms)"
+    if s.floor:
+        return f" (no-op wasm filter {fmt_ratio(s.floor['rps'] / s.plain['rps'])})"
+    return ""
+
+
+def store_text(s: Summary) -> str:
+    if not s.store_per_rq:
+        return "0"
+    total = sum(s.store_per_rq.values())
+    parts = " + ".join(f"{k} {v:.2f}" for k, v in s.store_per_rq.items() if v >= 0.005)
+    return f"{total:.2f} ({parts})" if parts else f"{total:.2f}"
+
+
+def table(summaries: list[Summary], rounds: int, duration: float) -> list[str]:
+    lines = [
+        f"Medians of {rounds} round(s) of {duration:g} s per Envoy; ratio = filter / no filter, same run.",
+        "",
+        "| scenario | what | no filter req/s | filter req/s | ratio | p50 no filter / filter (ms) "
+        "| p99 no filter / filter (ms) | store calls per request | upstream calls per request | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        notes = [x for x in [note(s)] + s.problems if x]
+        lines.append(
+            f"| {s.sc.name} | {s.sc.what} (`-t{s.sc.threads} -c{s.sc.conns}`) | {s.plain['rps']:.0f} | {s.idem['rps']:.0f} | "
+            f"**{fmt_ratio(s.ratio)}** | {s.plain['p50']:.2f} / {s.idem['p50']:.2f} | "
+            f"{s.plain['p99']:.2f} / {s.idem['p99']:.2f} | {store_text(s)} | "
+            f"{s.upstream_per_rq['plain']:.2f} / {s.upstream_per_rq['idem']:.2f} | {'; '.join(notes)} |")
+    return lines
+
+
+def outcome_table(summaries: list[Summary]) -> list[str]:
+    lines = ["| scenario | filter outcomes per request (`wasmcustom.idempotency.*`) "
+             "| idemstore operations per request (`op/outcome`; `waited`: begins that found the lock held) |",
+             "|---|---|---|"]
+    for s in summaries:
+        o = ", ".join(f"{k} {v:.3f}" for k, v in s.outcomes_per_rq.items()) or "none"
+        st = ", ".join(f"{k} {v:.3f}" for k, v in s.store_outcomes_per_rq.items()) or "none"
+        lines.append(f"| {s.sc.name} | {o} | {st} |")
+    return lines
+
+
+def cpu_table(summaries: list[Summary]) -> list[str]:
+    lines = [
+        "| scenario | CPU µs per request, no filter: " + " / ".join(COMPONENTS) + " = total "
+        "| filter: " + " / ".join(COMPONENTS) + " = total | added by the filter "
+        "| cores busy (of 2), these processes / whole machine: no filter; filter |",
+        "|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        p = s.cpu_us["plain"]
+        for t, name in (("idem", s.sc.name), ("floor", f"{s.sc.name}, no-op wasm filter instead")):
+            if t not in s.cpu_us:
+                continue
+            i = s.cpu_us[t]
+            added = {c: i[c] - p[c] for c in COMPONENTS}
+            lines.append(
+                f"| {name} | " + " / ".join(f"{p[c]:.0f}" for c in COMPONENTS) + f" = {sum(p.values()):.0f} | "
+                + " / ".join(f"{i[c]:.0f}" for c in COMPONENTS) + f" = {sum(i.values()):.0f} | "
+                + ", ".join(f"{c} {added[c]:+.0f}" for c in COMPONENTS if abs(added[c]) >= 1)
+                + f" | {s.cores['plain']:.2f} / {s.cores['plain-machine']:.2f}; "
+                  f"{s.cores[t]:.2f} / {s.cores[t + '-machine']:.2f} |")
+    return lines
+
+
+def store_round_trip_ms(store_port: int, n: int) -> dict[str, float]:
+    """`begin` (a miss that locks) straight to idemstore, HTTP/1.1 keep-alive, one at a time:
+    what one store round trip costs a request, for comparison with the filter's added latency."""
+    import http.client
+
+    conn = http.client.HTTPConnection(h.LOOPBACK, store_port, timeout=5)
+    out = []
+    try:
+        base = secrets.token_hex(16)
+        for i in range(n):
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/begin", body=b"", headers={
+                "x-idem-key": f"{base}{i:032x}", "x-idem-body-hash": "ab" * 32,
+                "x-idem-lock-ttl-ms": "1000", "x-idem-wait-ms": "1"})
+            resp = conn.getresponse()
+            resp.read()
+            out.append((time.perf_counter() - t0) * 1000)
+            if resp.getheader("x-idem-token") is None:
+                raise SystemExit(f"begin straight to idemstore did not lock: {resp.status}")
+    finally:
+        conn.close()
+    out.sort()
+    return {"n": n, "p50": out[len(out) // 2], "p99": out[min(n - 1, int(n * 0.99))]}
+
+
+# --------------------------------------------------------------------------------------------
+# profiles (full runs)
+# --------------------------------------------------------------------------------------------
+
+
+def store_us_text(envoy: h.Envoy) -> str:
+    q = urllib.parse.urlencode({"filter": r"idempotency\.store_us\."})
+    return h.http_get_status(envoy.admin_port, f"/stats?{q}", timeout=5)[1].decode()
+
+
+def filter_store_latency(stack: Stack, run_dir: Path, log) -> dict[str, dict[str, float]]:
+    """The filter's own store call latency (`idempotency.store_us.*`) on one connection: a 7 s
+    unique-1k-c1 run through `idem`, then the interval quantiles of the first stats flush after
+    it (Envoy flushes every 5 s, so the interval before it holds only this run's calls)."""
+    envoy = stack.envoys["idem"]
+    run_wrk(stack, "idem", BY_NAME["unique-1k-c1"], 7, f"c1-{secrets.token_hex(6)}", run_dir / "wrk-c1.log")
+    before = store_us_text(envoy)
+    deadline = time.monotonic() + 7
+    text = before
+    while text == before and time.monotonic() < deadline:
+        time.sleep(0.25)
+        text = store_us_text(envoy)
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\S*store_us\.(\w+): (.*)$", line)
+        if not m:
+            continue
+        q = {k: float(v) for k, v in re.findall(r"P(\d+(?:\.\d+)?)\(([\d.]+|nan),", m.group(2)) if v != "nan"}
+        if q:
+            out[m.group(1)] = q
+    if out:
+        log("  filter-side store latency on one connection: " + ", ".join(
+            f"{op} p50 {q.get('50', 0):.0f} µs p99 {q.get('99', 0):.0f} µs" for op, q in out.items()))
+    return out
+
+
+def wasm_stats(envoy: h.Envoy) -> list[str]:
+    q = urllib.parse.urlencode({"filter": "wasm"})
+    status, body = h.http_get_status(envoy.admin_port, f"/stats?{q}", timeout=5)
+    return [ln for ln in body.decode().splitlines() if ln and not ln.startswith("wasmcustom.")]
+
+
+def memory_growth(stack: Stack, keys: int, run_dir: Path, log) -> list[tuple[int, int, int, int, int]]:
+    """Unique keys through a fresh `idem` until `keys` requests were guarded; (guarded, Envoy RSS
+    KiB, wasm VMs, their linear memory KiB, its resident KiB) after a 1 s warm-up and after each
+    4 s chunk."""
+    sc = BY_NAME["unique-1k"]
+    envoy = stack.envoys["idem"]
+    pid = envoy.proc.pid
+    seed = f"mem-{secrets.token_hex(6)}"
+    wrk_log = run_dir / "wrk-memory.log"
+    base = envoy.counter("guarded")
+    rows = [(0, rss_kib(pid), *wasm_memory_kib(pid))]
+    run_wrk(stack, "idem", sc, 1, f"{seed}-warm", wrk_log)
+    g = envoy.counter("guarded") - base
+    rows.append((g, rss_kib(pid), *wasm_memory_kib(pid)))
+    chunk = 0
+    while g < keys:
+        chunk += 1
+        run_wrk(stack, "idem", sc, 4, f"{seed}-{chunk}", wrk_log)
+        g = envoy.counter("guarded") - base
+        rows.append((g, rss_kib(pid), *wasm_memory_kib(pid)))
+        log(f"  memory: {g} keys, Envoy RSS {rows[-1][1] / 1024:.1f} MiB, "
+            f"wasm linear memory {rows[-1][3] / 1024:.2f} MiB ({rows[-1][4] / 1024:.2f} MiB resident) "
+            f"in {rows[-1][2]} VMs")
+    return rows
+
+
+def perf_available() -> bool:
+    perf = shutil.which("perf")
+    if not perf:
+        return False
+    r = subprocess.run([perf, "record", "-e", "cpu-clock", "-o", "/dev/null", "--", "true"],
+                       capture_output=True, timeout=30)
+    return r.returncode == 0
+
+
+def perf_profile(stack: Stack, duration: float, run_dir: Path, log) -> dict[str, list[str]]:
+    """perf record (cpu-clock, 999 Hz) of idemstore and of the filter Envoy during a unique-1k
+    run through `idem`; flat reports by shared object and by symbol."""
+    sc = BY_NAME["unique-1k"]
+    targets = {"idemstore": stack.store.pid, "envoy-idem": stack.envoys["idem"].proc.pid,
+               "redis": stack.redis.pid}
+    perfs = {}
+    for name, pid in targets.items():
+        data = run_dir / f"perf-{name}.data"
+        perfs[name] = (data, subprocess.Popen(
+            ["perf", "record", "-e", "cpu-clock", "-F", "999", "-p", str(pid), "-o", str(data), "--",
+             "sleep", f"{duration + 1:g}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(0.5)
+    run = run_wrk(stack, "idem", sc, duration, f"perf-{secrets.token_hex(6)}", run_dir / "wrk-perf.log")
+    log(f"  perf: unique-1k through the filter at {run.rps:.0f} req/s while recording")
+    out: dict[str, list[str]] = {"_rps": [f"{run.rps:.0f}"]}
+    for name, (data, p) in perfs.items():
+        p.wait(timeout=duration + 60)
+        r = subprocess.run(["perf", "report", "-n", "-i", str(data), "--stdio", "--no-children", "--sort", "dso,symbol",
+                            "--percent-limit", "0"], capture_output=True, text=True, timeout=300)
+        counts = []  # (samples, dso, symbol); percentages from the counts (the printed ones are rounded)
+        for ln in r.stdout.splitlines():
+            m = re.match(r"^\s*[\d.]+%\s+(\d+)\s+(\[JIT\] tid \d+|\S+)\s+\[[.k]\]\s+(.*?)(\s+-\s+-)?\s*$", ln)
+            if m:
+                dso = {"redis-check-rdb": "redis-server"}.get(m.group(2), m.group(2))
+                if dso.startswith("[JIT]"):
+                    dso = "[JIT] (V8-compiled code: the filter's wasm)"
+                counts.append((int(m.group(1)), dso, m.group(3)))
+        total = max(1, sum(c for c, _, _ in counts))
+        samples = [(c * 100 / total, dso, sym) for c, dso, sym in counts]
+        by_dso: dict[str, float] = {}
+        by_group: dict[str, float] = {}
+        for pct_, dso, sym in samples:
+            by_dso[dso] = by_dso.get(dso, 0.0) + pct_
+            g = group_of(dso, sym)
+            by_group[g] = by_group.get(g, 0.0) + pct_
+        out[f"{name}, by shared object"] = [f"{v:6.2f}%  {k}" for k, v in sorted(by_dso.items(), key=lambda kv: -kv[1])
+                                            if v >= 0.5]
+        out.setdefault("_shares", {})[name] = {"dso": by_dso, "group": by_group}
+        if name == "idemstore":
+            out[f"{name}, by crate (Rust symbols by their first path segment; kernel and libc apart)"] = [
+                f"{v:6.2f}%  {k}" for k, v in sorted(by_group.items(), key=lambda kv: -kv[1]) if v >= 0.5]
+        out[f"{name}, top symbols ({total} samples)"] = [shorten(f"{pct_:6.2f}%  {dso}  {sym}")
+                                                        for pct_, dso, sym in samples[:20]]
+    return out
+
+
+def group_of(dso: str, sym: str) -> str:
+    if dso.startswith("[kernel"):
+        return "kernel"
+    if dso.startswith("lib") or dso.startswith("[vdso"):
+        return dso
+    s = sym.lstrip("<&*( ")
+    s = re.sub(r"^(dyn |mut |const )+", "", s)
+    m = re.match(r"([A-Za-z_][A-Za-z0-9_]*)::", s)
+    return f"{dso}: {m.group(1)}" if m else f"{dso}: other"
+
+
+def shorten(line: str, width: int = 150) -> str:
+    line = re.sub(r"\s+", " ", line.strip())
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def callgrind_profile(stack: Stack, requests: int, run_dir: Path, log) -> dict[str, list[str]]:
+    """When perf cannot sample: a second idemstore under callgrind, on the same Redis, driven
+    with begin + commit pairs straight over HTTP/1.1 (a unique request's two store calls)."""
+    import http.client
+
+    out_file = run_dir / "callgrind.out.idemstore"
+    port = h.free_port()
+    proc = h.start("idemstore-callgrind",
+                   ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_file}", h.idemstore_bin(),
+                    "--listen", f"{h.LOOPBACK}:{port}", "--redis", f"redis://{h.LOOPBACK}:{stack.redis_port}"],
+                   run_dir)
+    try:
+        h.await_ready(proc, lambda: h.http_get_status(port, "/healthz")[0] == 200, "idemstore under callgrind",
+                      timeout=120)
+        conn = http.client.HTTPConnection(h.LOOPBACK, port, timeout=30)
+        for i in range(requests):
+            key = f"{i:064x}"
+            conn.request("POST", "/v1/begin", headers={"x-idem-key": key, "x-idem-body-hash": "ab" * 32,
+                                                       "x-idem-lock-ttl-ms": "30000", "x-idem-wait-ms": "1"})
+            resp = conn.getresponse()
+            resp.read()
+            token = resp.getheader("x-idem-token") or ""
+            conn.request("POST", "/v1/commit", body=b"IDR1\x00\xc9\x00\x00" + UPSTREAM_BODY.encode(),
+                         headers={"x-idem-key": key, "x-idem-token": token, "x-idem-body-hash": "ab" * 32,
+                                  "x-idem-retention-s": "60", "content-type": "application/octet-stream"})
+            conn.getresponse().read()
+        conn.close()
+    finally:
+        proc.stop(timeout=60)
+    r = subprocess.run(["callgrind_annotate", str(out_file)], capture_output=True, text=True, timeout=300)
+    rows = [shorten(ln) for ln in r.stdout.splitlines() if re.match(r"^\s*[\d,]+ \(", ln)]
+    log(f"  callgrind: {requests} begin+commit pairs")
+    return {"idemstore under callgrind, top functions by instructions": rows[:30]}
+
+
+# --------------------------------------------------------------------------------------------
+# RESULTS.md
+# --------------------------------------------------------------------------------------------
+
+
+def versions() -> dict[str, str]:
+    def first_line(argv: list[str], pattern: str | None = None) -> str:
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return "?"
+        text = (r.stdout + r.stderr).strip()
+        if pattern:
+            m = re.search(pattern, text)
+            return m.group(1) if m else text.splitlines()[0] if text else "?"
+        return text.splitlines()[0] if text else "?"
+
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "machine": f"{os.cpu_count()} CPUs ({cpu}), {platform.system()} {platform.release()}",
+        "envoy": first_line([h.envoy_bin(), "--version"], r"version: (\S+)"),
+        "rustc": first_line(["rustc", "--version"]),
+        "redis": first_line([h.redis_bin(), "--version"]),
+        "wrk": first_line([wrk_bin(), "-v"]),
+    }
+
+
+def replace_section(text: str, title: str, section: str, before: str = "## Latency") -> str:
+    start = text.find(title + "\n")
+    if start < 0:
+        at = text.find(before)
+        if at < 0:
+            return text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+        return text[:at] + section.rstrip("\n") + "\n\n" + text[at:]
+    end = text.find("\n## ", start + 1)
+    return text[:start] + section.rstrip("\n") + "\n" + ("" if end < 0 else text[end:])
+
+
+def write_results(sections: list[tuple[str, str]]) -> None:
+    head = "# Benchmark results\n\nWritten by `make bench`; each section by the script it names.\n\n"
+    text = RESULTS.read_text() if RESULTS.exists() else head
+    for title, section in sections:
+        text = replace_section(text, title, section)
+    RESULTS.write_text(text.rstrip("\n") + "\n")
+
+
+def throughput_section(summaries, rounds, duration, vers, started, load) -> str:
+    lines = [
+        "## Throughput",
+        "",
+        f"`bench/throughput.py` (`make bench`), {started} UTC. Machine: {vers['machine']}.",
+        f"Envoy {vers['envoy']}, {vers['rustc']}, {vers['redis']}, {vers['wrk']}.",
+        f"Load average before the run: {load}.",
+        "",
+        "The filter Envoy and the no-filter Envoy (same listener, routes and clusters; router only)",
+        "run side by side (`--concurrency 2` each), in front of an upstream Envoy that answers `201`",
+        "JSON itself (`direct_response`) after reading the body, at once or after 5 ms (fault filter),",
+        "and idemstore on Redis. wrk (`bench/load.lua`) drives them alternately. **wrk, the three",
+        "Envoys, idemstore and Redis share these 2 cores**: a ratio is what the filter's whole path",
+        "(VM, callouts, idemstore, Redis) costs the machine, not the filter Envoy alone.",
+        "",
+        *table(summaries, rounds, duration),
+        "",
+        "How each scenario is driven (wrk 4.1, `--latency`, closed loop, keep-alive connections):",
+        "",
+        "- passthrough: `POST` with a 1 KiB JSON body and no `Idempotency-Key` (the guarded method",
+        "  without a key: the filter lets it through).",
+        "- unique-1k / unique-64k / body-1m: a new key per request, `<seed>-<thread>-<counter>`, the",
+        "  seed random per run; each request is `begin` (miss, lock), the upstream, `commit`.",
+        "- unique-1k-c1: unique-1k on one connection (`-t1 -c1`): latency without queueing, so the",
+        "  p50 difference is the latency the filter adds (its throughput ratio is just the inverse).",
+        "- replay / replay-5ms: 8 keys stored beforehand through the filter with the same body, then",
+        "  requested round-robin: every filtered request is answered from the store; the no-filter",
+        "  Envoy sends every one to the upstream (on `replay-5ms` the upstream waits 5 ms first).",
+        "- burst: wrk with one thread and 20 connections; the thread uses each key for 20",
+        "  consecutive requests, which leave on the 20 connections at about the same time (the first",
+        "  key's 20 at exactly the same moment; afterwards a key's 20 requests go out as the previous",
+        "  key's answers come back, so most wait on the lock of a running original and are woken by",
+        "  its commit). One execution per 20 requests; the no-filter Envoy executes all 20.",
+        "- store calls per request: deltas of idemstore's `idemstore_requests_total` by `op` over",
+        "  the filtered runs, divided by the requests wrk completed; upstream calls per request:",
+        "  `cluster.up_*.upstream_rq_total` of each Envoy, no filter / filter.",
+        "",
+        *outcome_table(summaries),
+        "",
+        "CPU time per request of each process (utime + stime from `/proc/<pid>/stat` over each run,",
+        "wrk's from its rusage), summed over the rounds; `envoy` is the Envoy under test, `upstream`",
+        "the answering Envoy. Cores busy: these processes' CPU seconds per second of load, and the",
+        "whole machine's (`/proc/stat`; wrk's run only, not the settling after it): in a saturated",
+        "run a gap between the two is load from something else, i.e. noise (in lightly loaded runs",
+        "the two tick-based clocks disagree; compare them only near 2).",
+        "",
+        *cpu_table(summaries),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, rtt, filter_lat) -> str:
+    by = {s.sc.name: s for s in summaries}
+    lines = ["## Where the time goes", ""]
+    c1 = by.get("unique-1k-c1")
+    if c1:
+        lines += [
+            f"**Added latency.** On one connection (no queueing) the filter adds "
+            f"{c1.idem['p50'] - c1.plain['p50']:.2f} ms at p50 to a unique 1 KiB request",
+            f"({c1.plain['p50']:.2f} -> {c1.idem['p50']:.2f} ms; p99 {c1.plain['p99']:.2f} -> {c1.idem['p99']:.2f} ms); "
+            f"one store round trip (`begin`, a miss that locks, straight to idemstore over HTTP/1.1",
+            f"keep-alive, {rtt['n']} in a row) takes {rtt['p50']:.2f} ms at p50.",
+        ]
+        if filter_lat:
+            lines += [
+                "The filter's own histograms (`idempotency.store_us.*`, one flush interval of a 7 s run on one",
+                "connection) put a store call, as the filter sees it through Envoy's HTTP/2 callout, at "
+                + "; ".join(f"`{op}` p50 {q.get('50', 0) / 1000:.2f} ms, p99 {q.get('99', 0) / 1000:.2f} ms"
+                            for op, q in filter_lat.items()) + ".",
+                "The `commit` is sent after the answer, but on one busy connection it overlaps the next",
+                "request's `begin`.",
+            ]
+        lines += [""]
+    u = by.get("unique-1k")
+    if u:
+        p, i = u.cpu_us["plain"], u.cpu_us["idem"]
+        added = {c: i[c] - p[c] for c in COMPONENTS}
+        total_added = sum(added.values())
+        lines += [
+            f"**Unique key, 1 KiB.** The filtered path costs the machine {sum(i.values()):.0f} µs of CPU per request",
+            f"against {sum(p.values()):.0f} µs without the filter (+{total_added:.0f} µs): with the cores equally busy in",
+            f"both runs ({u.cores['plain']:.2f} and {u.cores['idem']:.2f} cores), that predicts a ratio of "
+            f"{sum(p.values()) / max(1e-9, sum(i.values())):.2f}; measured {fmt_ratio(u.ratio)}. The added CPU per request by process: "
+            + ", ".join(f"{c} {added[c]:+.0f} µs" for c in sorted(COMPONENTS, key=lambda c: -added[c])) + ".",
+            f"Store calls per request: {store_text(u)}, so idemstore spends {i['idemstore'] / max(0.01, sum(u.store_per_rq.values())):.0f} µs",
+            f"and Redis {i['redis'] / max(0.01, sum(u.store_per_rq.values())):.0f} µs of CPU per store call. "
+            f"p50 latency {u.plain['p50']:.2f} -> {u.idem['p50']:.2f} ms at {u.sc.conns} connections (closed loop:",
+            "latency there is mostly the lower throughput). CPU per request is not purely additive: at a",
+            "lower request rate every process handles fewer events per wake-up (the upstream Envoy does",
+            "the same work in both runs but is charged more per request in the filtered one).",
+            "",
+        ]
+    env = [(n, by[n]) for n in ("passthrough", "replay", "unique-1k", "unique-64k", "body-1m") if n in by]
+    if env:
+        added = {n: x.cpu_us["idem"]["envoy"] - x.cpu_us["plain"]["envoy"] for n, x in env}
+        lines += ["**The filter Envoy's own cost**, CPU µs per request above the no-filter Envoy: "
+                  + ", ".join(f"{n} {v:+.0f}" for n, v in added.items()) + "."]
+        if "unique-1k" in added and "unique-64k" in added:
+            slope = (added["unique-64k"] - added["unique-1k"]) / 63  # µs per KiB
+            lines += [f"From 1 KiB to 64 KiB the body costs {slope:.2f} µs per KiB in the filter Envoy (buffering,",
+                      f"copying into the VM, SHA-256): {1024 / max(0.001, slope):.0f} MB/s per core."]
+        lines += [""]
+    pt = by.get("passthrough")
+    if pt:
+        lines += [
+            f"**Pass-through.** {fmt_ratio(pt.ratio)}; the filter Envoy spends "
+            f"{pt.cpu_us['idem']['envoy'] - pt.cpu_us['plain']['envoy']:+.0f} µs per request more than the no-filter",
+            "Envoy although the filter only looks at two headers: Envoy enters the VM for every header",
+            "and body callback of the request and of the response, whether the filter has work or not.",
+        ]
+        if pt.floor:
+            fl = pt.floor["rps"] / pt.plain["rps"]
+            lines += [
+                "A filter that does nothing but one header lookup (`bench/floor-filter`: the same SDK, proxy-wasm",
+                f"0.2.5, and the same V8 VM settings) runs at {fmt_ratio(fl)} in the same run, with "
+                f"{pt.cpu_us['floor']['envoy'] - pt.cpu_us['plain']['envoy']:+.0f} µs of Envoy CPU per request:",
+                "that is the floor of a Rust proxy-wasm filter on this path here; the idempotency filter's own",
+                f"pass-through work is the gap between {fmt_ratio(fl)} and {fmt_ratio(pt.ratio)}.",
+            ]
+        lines += [""]
+    b = by.get("body-1m")
+    if b:
+        lines += [
+            f"**1 MiB body.** {note(b)} through the filter vs without ({fmt_ratio(b.ratio)}); the filter Envoy spends "
+            f"{(b.cpu_us['idem']['envoy'] - b.cpu_us['plain']['envoy']) / 1000:.2f} ms more CPU per request,",
+            "so everything it adds for a 1 MiB body (buffering, copying each chunk into the VM, SHA-256, the",
+            f"callouts) runs at {b.sc.size / max(1e-9, (b.cpu_us['idem']['envoy'] - b.cpu_us['plain']['envoy']) / 1e6) / 1e6:.0f} MB/s "
+            "per core: the in-VM SHA-256 alone is at least that fast.",
+            "",
+        ]
+    r5 = by.get("replay-5ms")
+    if r5:
+        lines += [
+            f"**Replay.** With a 5 ms upstream the edge answers {fmt_ratio(r5.ratio)} the requests of the",
+            f"no-filter Envoy (p50 {r5.plain['p50']:.2f} -> {r5.idem['p50']:.2f} ms); each replay is still one `begin`",
+            "round trip to idemstore and Redis.",
+            "",
+        ]
+    lines += ["### Envoy's wasm stats", "",
+              "`/stats?filter=wasm` of the filter Envoy after the scenarios (the filter's own",
+              "`wasmcustom.*` counters left out):", "", "```", *stats_lines, "```", ""]
+    if not any("memory" in ln for ln in stats_lines):
+        lines += ["Envoy 1.40 exposes no wasm memory statistic (only the VM counts above). The filter",
+                  "VMs' memory is read from `/proc/<pid>/smaps` instead: V8 reserves 8 GiB of address",
+                  "space per wasm memory and makes the linear memory (as far as the module has grown it;",
+                  "it never shrinks) a read-write mapping at the start of that reservation. The table",
+                  "sums those mappings over the Envoy's VMs, with Envoy's RSS beside them.", ""]
+    if mem_rows:
+        lines += ["### Filter VM memory under unique keys", "",
+                  "A fresh filter Envoy, unique-key 1 KiB requests (`-t2 -c16`):", "",
+                  "| keys guarded | Envoy RSS (MiB) | wasm VMs | their linear memory (MiB) | of it resident (MiB) |",
+                  "|---|---|---|---|---|"]
+        for g, rss, n, size, res in mem_rows:
+            lines.append(f"| {g} | {rss / 1024:.1f} | {n} | {size / 1024:.2f} | {res / 1024:.2f} |")
+        first, last = mem_rows[0], mem_rows[-1]
+        lines += ["", f"From {first[0]} to {last[0]} keys: Envoy RSS {(last[1] - first[1]) / 1024:+.1f} MiB, "
+                  f"the VMs' linear memory {(last[3] - first[3]) / 1024:+.2f} MiB.", ""]
+    shares = profile.get("_shares") if profile else None
+    if shares:
+        def top(d: dict, n: int) -> str:
+            return ", ".join(f"{k} {v:.0f}%" for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n])
+        lines += ["**Profiles** (below; unique-1k through the filter). Shares of each process's samples:"]
+        for name in ("envoy-idem", "idemstore", "redis"):
+            if name in shares:
+                d = shares[name]["group" if name == "idemstore" else "dso"]
+                lines += [f"- {name}: {top(d, 6)}."]
+        lines += ["", "In a VM, cpu-clock samples land where interrupts are re-enabled, so kernel scheduler",
+                  "symbols (`finish_task_switch`, `_raw_spin_unlock_irqrestore`) stand for context switches and",
+                  "wake-ups: a large kernel share means many small reads, writes and thread hand-offs per request.",
+                  ""]
+    if profile:
+        lines += ["### Profiles", "", profiler_note, ""]
+        for k, rows in profile.items():
+            if k.startswith("_") or not isinstance(rows, list):
+                continue
+            lines += [f"{k}:", "", "```", *rows, "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one round of 3 s, no profiles, nothing written")
+    ap.add_argument("--rounds", type=int)
+    ap.add_argument("--duration", type=float, help="seconds per wrk run")
+    ap.add_argument("--warmup", type=float, help="seconds of unmeasured load per Envoy per scenario")
+    ap.add_argument("--scenarios", help="comma-separated: " + ",".join(BY_NAME))
+    ap.add_argument("--no-write", action="store_true", help="do not touch bench/RESULTS.md")
+    ap.add_argument("--no-profile", action="store_true", help="skip wasm memory and CPU profiles")
+    ap.add_argument("--memory-keys", type=int, default=100_000)
+    ap.add_argument("--profiler", choices=["auto", "perf", "callgrind"], default="auto",
+                    help="auto: perf if `perf record -e cpu-clock` works, else callgrind")
+    ap.add_argument("--callgrind-requests", type=int, default=2000)
+    args = ap.parse_args()
+    rounds = args.rounds or (1 if args.quick else 3)
+    duration = args.duration or (3.0 if args.quick else 10.0)
+    warmup = args.warmup if args.warmup is not None else (0.0 if args.quick else 2.0)
+    profile_on = not (args.quick or args.no_profile)
+    write = not (args.quick or args.no_write)
+    names = args.scenarios.split(",") if args.scenarios else list(BY_NAME)
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {unknown}; known: {', '.join(BY_NAME)}")
+    wrk_bin()
+
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    run_dir = BENCH / ".runs" / (time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "-throughput"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    log(f"run dir {run_dir}; load average {load}")
+    floor = floor_wasm() if not args.quick and "passthrough" in names else None
+    if not args.quick and "passthrough" in names and not floor:
+        log("bench/floor-filter is not built (make bench builds it): pass-through without the no-op filter baseline")
+    stack = Stack(run_dir, floor)
+    summaries: list[Summary] = []
+    mem_rows: list = []
+    profile: dict = {}
+    profiler_note = ""
+    stats_lines: list[str] = []
+    rtt = {"n": 0, "p50": 0.0, "p99": 0.0}
+    filter_lat: dict = {}
+    try:
+        stack.start()
+        log("stack up: upstream Envoy, redis, idemstore, Envoys " + ", ".join(stack.envoys))
+        if profile_on and args.memory_keys > 0:
+            mem_rows = memory_growth(stack, args.memory_keys, run_dir, log)
+        if args.quick:
+            # One short unmeasured run through the filter: the VMs' first calls (V8 tiers the wasm up).
+            run_wrk(stack, "idem", BY_NAME["unique-1k"], 1, f"warm-{secrets.token_hex(6)}", run_dir / "wrk-warm.log")
+        for name in names:
+            runs = run_scenario(stack, BY_NAME[name], rounds, duration, warmup, run_dir, log)
+            summaries.append(summarize(BY_NAME[name], runs))
+        stats_lines = wasm_stats(stack.envoys["idem"])
+        if profile_on:
+            filter_lat = filter_store_latency(stack, run_dir, log)
+        rtt = store_round_trip_ms(stack.store_port, 300)
+        log(f"one store round trip (begin straight to idemstore): p50 {rtt['p50']:.2f} ms, p99 {rtt['p99']:.2f} ms")
+        for s in summaries:
+            if s.sc.conns == 1:
+                s.extra = (f"p50 +{s.idem['p50'] - s.plain['p50']:.2f} ms; one store round trip "
+                           f"p50 {rtt['p50']:.2f} ms")
+        if profile_on:
+            use = args.profiler
+            if use == "auto":
+                use = "perf" if perf_available() else "callgrind"
+            if use == "perf":
+                profile = perf_profile(stack, duration, run_dir, log)
+                profiler_note = (f"`perf record -e cpu-clock -F 999 -p <pid>` of each process during {duration:g} s of "
+                                 f"unique-1k through the filter ({profile['_rps'][0]} req/s while recording; perf "
+                                 "adds its own load). Flat, by shared object, then by shared object and symbol. "
+                                 "The wasm code V8 compiled has no symbols (`[JIT]`); Envoy's binary is stripped, "
+                                 "so its samples are addresses (V8's runtime and builtins are inside it).")
+            else:
+                profile = callgrind_profile(stack, args.callgrind_requests, run_dir, log)
+                profiler_note = (f"`perf` cannot sample here: `valgrind --tool=callgrind` on a second idemstore "
+                                 f"(same Redis), {args.callgrind_requests} begin + commit pairs over HTTP/1.1; "
+                                 "instructions by function (`callgrind_annotate`).")
+    finally:
+        stack.stop()
+
+    elapsed = time.monotonic() - t0
+    text = "\n".join(table(summaries, rounds, duration)) + "\n\n" + "\n".join(outcome_table(summaries)) + \
+        "\n\n" + "\n".join(cpu_table(summaries))
+    print(text)
+    if write:
+        vers = versions()
+        write_results([
+            ("## Throughput", throughput_section(summaries, rounds, duration, vers, started, load)),
+            ("## Where the time goes", analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, rtt,
+                                                       filter_lat)),
+        ])
+        log(f"wrote {RESULTS.relative_to(ROOT)}")
+    label = "bench-quick" if args.quick else "bench"
+    print(f"{label}: " + ", ".join(f"{s.sc.name} {fmt_ratio(s.ratio)}" + short_note(s) for s in summaries)
+        + f" [filter/no-filter throughput, {elapsed:.0f} s]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
