@@ -621,6 +621,10 @@ struct HostView {
     response: OnceCell<Vec<(String, Vec<u8>)>>,
 }
 
+/// Headers Envoy holds one value of (pseudo-headers, and the request id it sets itself), or whose
+/// first value is all the filter needs (`content-length`: Envoy refuses differing copies).
+const SINGLE_VALUED: [&str; 4] = [":method", ":path", "content-length", "x-request-id"];
+
 fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
     pairs.iter().filter(|(k, _)| k == name).map(|(_, v)| v.clone()).collect()
 }
@@ -633,10 +637,23 @@ impl StreamView for HostView {
     }
 
     fn request_header(&self, name: &str) -> Vec<Vec<u8>> {
-        let pairs = self
-            .request
-            .get_or_init(|| hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default());
-        values(pairs, name)
+        if let Some(pairs) = self.request.get() {
+            return values(pairs, name);
+        }
+        // One value lookup instead of copying the whole header map into the VM: most requests
+        // are decided (method not guarded, no key) with two of them. Envoy's lookup returns the
+        // first value only, so a header that is present and may repeat (`idempotency-key`:
+        // two of them are a 400) is read from the whole map.
+        match hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name) {
+            Ok(None) => Vec::new(),
+            Ok(Some(v)) if SINGLE_VALUED.contains(&name) => vec![v],
+            _ => values(
+                self.request.get_or_init(|| {
+                    hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
+                }),
+                name,
+            ),
+        }
     }
 
     fn response_header(&self, name: &str) -> Vec<Vec<u8>> {
