@@ -48,8 +48,9 @@ struct Shared {
 
 struct Entry {
     stream: Stream,
-    /// For log lines: Envoy's `x-request-id`, cleaned (see [`request_id`]).
-    request_id: Rc<str>,
+    /// For log lines: Envoy's `x-request-id`, cleaned (see [`request_id`]); read only for
+    /// guarded requests (or at debug level), not on the pass-through path.
+    request_id: Option<Rc<str>>,
     /// For log lines: the store key's prefix, kept once derived (the machine drops its key when
     /// it is done, before the effects that follow are logged).
     key_prefix: Option<String>,
@@ -427,7 +428,7 @@ fn request_id_of(shared: &SharedRef, stream_id: u32) -> Rc<str> {
     shared
         .try_borrow()
         .ok()
-        .and_then(|s| s.streams.get(&stream_id).map(|e| e.request_id.clone()))
+        .and_then(|s| s.streams.get(&stream_id).and_then(|e| e.request_id.clone()))
         .unwrap_or_else(|| Rc::from("-"))
 }
 
@@ -436,7 +437,8 @@ fn log_decision(shared: &SharedRef, stream_id: u32, m: Metric) {
     let Ok(s) = shared.try_borrow() else { return };
     let Some(entry) = s.streams.get(&stream_id) else { return };
     let key = entry.key_prefix.as_deref().unwrap_or("-");
-    log::debug!("request {} key {key}: {}", entry.request_id, m.name());
+    let request = entry.request_id.as_deref().unwrap_or("-");
+    log::debug!("request {request} key {key}: {}", m.name());
 }
 
 /// `x-request-id` as a log field: a client may send its own, so anything but a short run of
@@ -547,13 +549,20 @@ impl HttpStream {
             let view = HostView::default();
             let entry = s.streams.entry(self.id).or_insert_with(|| Entry {
                 stream: Stream::new(cfg),
-                request_id: request_id(view.request_header("x-request-id").first().map(Vec::as_slice)),
+                request_id: None,
                 key_prefix: None,
                 gone: false,
             });
             let step = f(&mut entry.stream, &view);
             if entry.key_prefix.is_none() {
                 entry.key_prefix = entry.stream.store_key().map(|k| prefix(k).to_string());
+            }
+            // Store calls (and so log lines) follow only once a store key exists.
+            if entry.request_id.is_none()
+                && (entry.key_prefix.is_some() || log::log_enabled!(log::Level::Debug))
+            {
+                entry.request_id =
+                    Some(request_id(view.request_header("x-request-id").first().map(Vec::as_slice)));
             }
             step
         };
