@@ -257,20 +257,30 @@ pub struct Wake {
     pub from_reply: Duration,
 }
 
+/// A `begin` for `key` on `store`, returned once it is parked waiting for the lock; the task
+/// yields its answer and when it came.
+async fn parked_begin<B: Backend>(
+    store: &Arc<Store<B>>,
+    key: &str,
+) -> tokio::task::JoinHandle<(Begin, Instant)> {
+    let before = store.parked();
+    let waiter = tokio::spawn({
+        let (store, key) = (Arc::clone(store), key.to_string());
+        async move {
+            let begun = store.begin(&key, &hash('a'), TTL, WAIT).await.unwrap();
+            (begun, Instant::now())
+        }
+    });
+    parked(store, before).await;
+    waiter
+}
+
 /// `one` holds the lock, a duplicate waits on `two`, `one` commits: the waiter gets the
 /// record. Returns how fast.
 pub async fn commit_wakes_other_instance<B: Backend>(one: &Arc<Store<B>>, two: &Arc<Store<B>>) -> Wake {
     let key = key();
     let token = lock(one, &key).await;
-    let before = two.parked();
-    let waiter = tokio::spawn({
-        let (two, key) = (Arc::clone(two), key.clone());
-        async move {
-            let begun = two.begin(&key, &hash('a'), TTL, WAIT).await.unwrap();
-            (begun, Instant::now())
-        }
-    });
-    parked(two, before).await;
+    let waiter = parked_begin(two, &key).await;
     let record = Bytes::from(format!("committed elsewhere {key}"));
     let called = Instant::now();
     one.commit(&key, &token, &hash('a'), record.clone(), DAY).await.unwrap();
@@ -288,15 +298,7 @@ pub async fn commit_wakes_other_instance<B: Backend>(one: &Arc<Store<B>>, two: &
 pub async fn release_wakes_other_instance<B: Backend>(one: &Arc<Store<B>>, two: &Arc<Store<B>>) -> Duration {
     let key = key();
     let token = lock(one, &key).await;
-    let before = two.parked();
-    let waiter = tokio::spawn({
-        let (two, key) = (Arc::clone(two), key.clone());
-        async move {
-            let begun = two.begin(&key, &hash('a'), TTL, WAIT).await.unwrap();
-            (begun, Instant::now())
-        }
-    });
-    parked(two, before).await;
+    let waiter = parked_begin(two, &key).await;
     let called = Instant::now();
     assert_eq!(one.release(&key, &token).await.unwrap(), ReleaseOutcome::Released);
     let (begun, answered) = waiter.await.unwrap();
