@@ -869,6 +869,11 @@ def throughput_section(summaries, rounds, duration, vers, started, load) -> str:
     return "\n".join(lines) + "\n"
 
 
+def envoy_added_us(s, front: str = "idem") -> float:
+    """CPU µs per request the `front` Envoy spends above the no-filter Envoy, in one scenario."""
+    return s.cpu_us[front]["envoy"] - s.cpu_us["plain"]["envoy"]
+
+
 def analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, rtt, filter_lat) -> str:
     by = {s.sc.name: s for s in summaries}
     lines = ["## Where the time goes", ""]
@@ -912,7 +917,7 @@ def analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, r
         ]
     env = [(n, by[n]) for n in ("passthrough", "replay", "unique-1k", "unique-64k", "body-1m") if n in by]
     if env:
-        added = {n: x.cpu_us["idem"]["envoy"] - x.cpu_us["plain"]["envoy"] for n, x in env}
+        added = {n: envoy_added_us(x) for n, x in env}
         lines += ["**The filter Envoy's own cost**, CPU µs per request above the no-filter Envoy: "
                   + ", ".join(f"{n} {v:+.0f}" for n, v in added.items()) + "."]
         if "unique-1k" in added and "unique-64k" in added:
@@ -924,7 +929,7 @@ def analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, r
     if pt:
         lines += [
             f"**Pass-through.** {fmt_ratio(pt.ratio)}; the filter Envoy spends "
-            f"{pt.cpu_us['idem']['envoy'] - pt.cpu_us['plain']['envoy']:+.0f} µs per request more than the no-filter",
+            f"{envoy_added_us(pt):+.0f} µs per request more than the no-filter",
             "Envoy although the filter only looks at two headers: Envoy enters the VM for every header",
             "and body callback of the request and of the response, whether the filter has work or not.",
         ]
@@ -933,18 +938,19 @@ def analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, r
             lines += [
                 "A filter that does nothing but one header lookup (`bench/floor-filter`: the same SDK, proxy-wasm",
                 f"0.2.5, and the same V8 VM settings) runs at {fmt_ratio(fl)} in the same run, with "
-                f"{pt.cpu_us['floor']['envoy'] - pt.cpu_us['plain']['envoy']:+.0f} µs of Envoy CPU per request:",
+                f"{envoy_added_us(pt, 'floor'):+.0f} µs of Envoy CPU per request:",
                 "that is the floor of a Rust proxy-wasm filter on this path here; the idempotency filter's own",
                 f"pass-through work is the gap between {fmt_ratio(fl)} and {fmt_ratio(pt.ratio)}.",
             ]
         lines += [""]
     b = by.get("body-1m")
     if b:
+        added_s = envoy_added_us(b) / 1e6
         lines += [
             f"**1 MiB body.** {note(b)} through the filter vs without ({fmt_ratio(b.ratio)}); the filter Envoy spends "
-            f"{(b.cpu_us['idem']['envoy'] - b.cpu_us['plain']['envoy']) / 1000:.2f} ms more CPU per request,",
+            f"{added_s * 1000:.2f} ms more CPU per request,",
             "so everything it adds for a 1 MiB body (buffering, copying each chunk into the VM, SHA-256, the",
-            f"callouts) runs at {b.sc.size / max(1e-9, (b.cpu_us['idem']['envoy'] - b.cpu_us['plain']['envoy']) / 1e6) / 1e6:.0f} MB/s "
+            f"callouts) runs at {b.sc.size / max(1e-9, added_s) / 1e6:.0f} MB/s "
             "per core: the in-VM SHA-256 alone is at least that fast.",
             "",
         ]
