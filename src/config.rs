@@ -74,6 +74,11 @@ pub struct Config {
     /// cannot set that field, with `envoy.filters.http.buffer` after this filter so that the
     /// headers wait there and the upstream sees nothing before the filter's decision.
     pub pause_on_headers: bool,
+    /// Records this VM recently replayed, kept to answer retries without a store call (see
+    /// `recent`): at most this many per VM (0: no cache) ...
+    pub record_cache_entries: usize,
+    /// ... and at most these bytes per VM (0: no cache).
+    pub record_cache_bytes: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -103,6 +108,8 @@ pub const LOCK_WAIT_MS: RangeInclusive<u64> = 1..=idem_protocol::MAX_WAIT_MS;
 pub const MAX_KEY_LENGTH: RangeInclusive<u64> = 1..=4096;
 pub const MAX_BODY_BYTES: RangeInclusive<u64> = 0..=64 * 1024 * 1024;
 pub const MAX_RECORD_BYTES: RangeInclusive<u64> = 0..=8 * 1024 * 1024;
+pub const RECORD_CACHE_ENTRIES: RangeInclusive<u64> = 0..=100_000;
+pub const RECORD_CACHE_BYTES: RangeInclusive<u64> = 0..=256 * 1024 * 1024;
 
 impl Config {
     /// Parses and validates; `store_secret_env` is read from the process environment, which
@@ -185,6 +192,12 @@ impl Config {
 
         let store_secret = store_secret(take("store_secret"), take("store_secret_env"), env)?;
         let pause_on_headers = boolean(take("pause_on_headers"), "pause_on_headers", true)?;
+        let record_cache_entries =
+            number(take("record_cache_entries"), "record_cache_entries", RECORD_CACHE_ENTRIES, 1024)?
+                as usize;
+        let record_cache_bytes =
+            number(take("record_cache_bytes"), "record_cache_bytes", RECORD_CACHE_BYTES, 4 * 1024 * 1024)?
+                as usize;
 
         if let Some(unknown) = map.keys().next() {
             return Err(err(unknown, "is not a known key"));
@@ -209,6 +222,8 @@ impl Config {
             store_key_header,
             store_secret,
             pause_on_headers,
+            record_cache_entries,
+            record_cache_bytes,
         })
     }
 
@@ -407,6 +422,11 @@ mod tests {
         assert!(c.pause_on_headers);
         assert!(!parse(r#"{"store_cluster":"s","pause_on_headers":false}"#).unwrap().pause_on_headers);
         assert!(parse(r#"{"store_cluster":"s","pause_on_headers":"no"}"#).is_err());
+        assert_eq!((c.record_cache_entries, c.record_cache_bytes), (1024, 4 * 1024 * 1024));
+        let off = parse(r#"{"store_cluster":"s","record_cache_entries":0}"#).unwrap();
+        assert_eq!(off.record_cache_entries, 0);
+        assert!(parse(r#"{"store_cluster":"s","record_cache_entries":100001}"#).is_err());
+        assert!(parse(r#"{"store_cluster":"s","record_cache_bytes":-1}"#).is_err());
         let short_ttl = parse(r#"{"store_cluster":"s","lock_ttl_ms":5000}"#).unwrap();
         assert_eq!(short_ttl.detached_timeout_ms, 5_000, "the default is bounded by the TTL");
     }

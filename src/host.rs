@@ -24,6 +24,7 @@ use crate::config::Config;
 use crate::detached::{UpstreamAnswer, UpstreamCall};
 use crate::machine::{Action, Effect, Step, Stream, StreamView};
 use crate::metrics::{Metric, OUTCOME_PROPERTY, STORE_LATENCY};
+use crate::recent::{Lookup, Recent};
 use crate::store::{Answer, BeginAnswer, CallKind, StoreCall, StoreFault};
 use idem_protocol::CommitOutcome;
 
@@ -44,6 +45,8 @@ struct Shared {
     streams: HashMap<u32, Entry>,
     outbox: Vec<Job>,
     callouts: HashMap<u32, Job>,
+    /// Records recently replayed by this VM, to answer their retries without a store call.
+    recent: Recent,
 }
 
 struct Entry {
@@ -119,6 +122,7 @@ impl Root {
         let name = format!("idempotency-outbox-{:016x}", random_u64(self.id));
         let queue = hostcalls::register_shared_queue(&name)
             .map_err(|s| format!("cannot register shared queue: {s:?}"))?;
+        let recent = Recent::new(cfg.record_cache_entries, cfg.record_cache_bytes);
         Ok(Rc::new(RefCell::new(Shared {
             root_id: self.id,
             cfg: Rc::new(cfg),
@@ -129,6 +133,7 @@ impl Root {
             streams: HashMap::new(),
             outbox: Vec::new(),
             callouts: HashMap::new(),
+            recent,
         })))
     }
 }
@@ -291,7 +296,15 @@ fn on_callout_answer(shared: &SharedRef, token: u32, headers: Vec<(String, Vec<u
             record_latency(shared, c.kind(), job.sent);
             let answer = Answer { headers: &headers, body: &body };
             match c.kind() {
-                CallKind::Begin => Answered::Begin(answer.begin()),
+                CallKind::Begin => {
+                    let begun = answer.begin();
+                    if let (StoreCall::Begin { key, body_hash }, Ok(BeginAnswer::Replay(record))) =
+                        (c, &begun)
+                    {
+                        remember(shared, key, body_hash, record, answer.record_ttl_ms(), job.sent);
+                    }
+                    Answered::Begin(begun)
+                }
                 CallKind::Commit => Answered::Commit(answer.commit()),
                 CallKind::Release => Answered::Release(answer.release().map(|_| ())),
             }
@@ -299,6 +312,41 @@ fn on_callout_answer(shared: &SharedRef, token: u32, headers: Vec<(String, Vec<u
         Call::Upstream(_) => Answered::Upstream(UpstreamAnswer::decode(headers, body)),
     };
     settle(shared, job, outcome, Caller::Root);
+}
+
+fn epoch_ms(t: std::time::SystemTime) -> u64 {
+    let ms = t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+/// Caches a record the store replayed, until the end of the lifetime the store gave it, counted
+/// from before the `begin` was sent (so never past the record's expiry in the store).
+fn remember(
+    shared: &SharedRef,
+    key: &str,
+    body_hash: &str,
+    record: &crate::record::Record,
+    ttl_ms: Option<u64>,
+    sent: Option<std::time::SystemTime>,
+) {
+    let (Some(ttl_ms), Some(sent), Ok(now)) = (ttl_ms, sent, hostcalls::get_current_time()) else { return };
+    if let Ok(mut s) = shared.try_borrow_mut() {
+        s.recent.remember(key, body_hash, record, epoch_ms(sent).saturating_add(ttl_ms), epoch_ms(now));
+    }
+}
+
+/// The cache's answer to a `begin`, if it has one.
+fn cached_begin(shared: &SharedRef, key: &str, body_hash: &str) -> Option<BeginAnswer> {
+    let mut s = shared.try_borrow_mut().ok()?;
+    if !s.recent.is_enabled() || s.recent.is_empty() {
+        return None;
+    }
+    let now = epoch_ms(hostcalls::get_current_time().ok()?);
+    match s.recent.lookup(key, body_hash, now) {
+        Lookup::Replay(record) => Some(BeginAnswer::Replay(record)),
+        Lookup::Mismatch => Some(BeginAnswer::Mismatch),
+        Lookup::Miss => None,
+    }
 }
 
 fn record_latency(shared: &SharedRef, kind: CallKind, sent: Option<std::time::SystemTime>) {
@@ -502,6 +550,20 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, caller: Calle
                 }
             }
             Effect::Store(call) => {
+                if let StoreCall::Begin { key, body_hash } = &call {
+                    if let Some(answer) = cached_begin(shared, key, body_hash) {
+                        let effects = shared.try_borrow_mut().ok().and_then(|mut s| {
+                            let entry = s.streams.get_mut(&stream_id)?;
+                            let mut effects = entry.stream.on_begin_answer(Ok(answer));
+                            effects.push(Effect::Count(Metric::CacheHits));
+                            Some(effects)
+                        });
+                        if let Some(effects) = effects {
+                            apply(shared, stream_id, effects, caller, stream_alive);
+                            continue;
+                        }
+                    }
+                }
                 let request_id = request_id_of(shared, stream_id);
                 submit(
                     shared,

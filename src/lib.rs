@@ -11,6 +11,7 @@ pub mod key;
 pub mod machine;
 pub mod metrics;
 pub mod problem;
+pub mod recent;
 pub mod record;
 pub mod sim;
 pub mod store;

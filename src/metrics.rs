@@ -37,10 +37,13 @@ pub enum Metric {
     Detached,
     /// Detached answers committed after the client had gone away.
     CommittedAfterGone,
+    /// A `begin` answered from the VM's cache of recently replayed records (a replay or a `422`
+    /// without a store call; also counted as `replayed` or `mismatched`).
+    CacheHits,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 15] = [
+    pub const ALL: [Metric; 16] = [
         Metric::Guarded,
         Metric::Replayed,
         Metric::Executed,
@@ -56,6 +59,7 @@ impl Metric {
         Metric::StoreErrors,
         Metric::Detached,
         Metric::CommittedAfterGone,
+        Metric::CacheHits,
     ];
 
     pub fn name(self) -> &'static str {
@@ -75,6 +79,7 @@ impl Metric {
             Metric::StoreErrors => "idempotency.store_errors",
             Metric::Detached => "idempotency.detached",
             Metric::CommittedAfterGone => "idempotency.committed_after_gone",
+            Metric::CacheHits => "idempotency.cache_hits",
         }
     }
 
@@ -96,7 +101,8 @@ impl Metric {
             | Metric::Released
             | Metric::CommitFailed
             | Metric::StoreErrors
-            | Metric::CommittedAfterGone => None,
+            | Metric::CommittedAfterGone
+            | Metric::CacheHits => None,
         }
     }
 

@@ -194,6 +194,14 @@ impl Answer<'_> {
         })
     }
 
+    /// How long a `record` answer's record still lives in the store, when it says. Absent or
+    /// malformed is `None` (the record is replayed but not cached), not a fault: failing the
+    /// `begin` over it would run the request again.
+    pub fn record_ttl_ms(&self) -> Option<u64> {
+        let max_ms = proto::MAX_RETENTION_S * 1000;
+        self.header(proto::HEADER_TTL_MS).and_then(|v| proto::parse_bounded(v, max_ms))
+    }
+
     pub fn commit(&self) -> Result<CommitOutcome, StoreFault> {
         CommitOutcome::parse(self.outcome()?).ok_or(StoreFault::Garbage("unknown outcome"))
     }
@@ -315,6 +323,27 @@ mod tests {
         assert_eq!(Answer { headers: &h, body: b"" }.begin(), Ok(BeginAnswer::Busy));
         let h = answer("200", Some("mismatch"), &[]);
         assert_eq!(Answer { headers: &h, body: b"" }.begin(), Ok(BeginAnswer::Mismatch));
+    }
+
+    #[test]
+    fn record_lifetime_is_optional_and_never_a_fault() {
+        let rec = Record { status: 201, headers: vec![], body: b"{}".to_vec() };
+        let enc = rec.encode();
+        for (ttl, expected) in [
+            (Some("86399000"), Some(86_399_000)),
+            (Some("1"), Some(1)),
+            (None, None),
+            (Some("0"), None),
+            (Some("-5"), None),
+            (Some("soon"), None),
+            (Some("604800001"), None),
+        ] {
+            let extra: Vec<(&str, &str)> = ttl.map(|t| (proto::HEADER_TTL_MS, t)).into_iter().collect();
+            let h = answer("200", Some("record"), &extra);
+            let a = Answer { headers: &h, body: &enc };
+            assert_eq!(a.record_ttl_ms(), expected, "{ttl:?}");
+            assert_eq!(a.begin(), Ok(BeginAnswer::Replay(rec.clone())), "{ttl:?}");
+        }
     }
 
     #[test]

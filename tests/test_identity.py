@@ -215,6 +215,8 @@ def test_jwt_subject_separates_users_sharing_a_key(ident, idp):
     assert ident.upstream.count(key=key) == 2
 
     got = delta(ident.settle(before.get("stored", 0) + 2), before)
+    # Replays a worker's VM had cached (after the store replayed them once) count there too.
+    assert got.pop("cache_hits", 0) <= 4 - 2, got
     assert got == {"guarded": 6, "executed": 2, "stored": 2, "replayed": 4}, got
     # forward: false: the upstream never sees the bearer token.
     executions = ident.upstream.executions(key=key, headers=True)

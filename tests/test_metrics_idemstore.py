@@ -122,6 +122,7 @@ def test_idemstore_metrics_count_request_retries_and_mismatch(stack):
     durations_before = {op: before.histogram_count("idemstore_request_duration_seconds", op=op)
                         for op in OUTCOMES}
     waits_before = before.histogram_count("idemstore_begin_wait_seconds")
+    hits_before = stack.counter("cache_hits")
 
     key = new_key("metrics")
     body = json.dumps({"item": "metrics", "qty": 1})
@@ -137,13 +138,20 @@ def test_idemstore_metrics_count_request_retries_and_mismatch(stack):
     assert stack.upstream.count(key=key) == 1
 
     after = quiet(port)
+    # A worker's VM answers a retry from its record cache once the store has replayed that
+    # record to it (`cache_hits`): the first replay always asks the store; the second, and the
+    # 422, ask it unless they meet the same VM.
+    hits = stack.counter("cache_hits") - hits_before
+    got = deltas(before, after)
+    assert got.get(("begin", "record"), 0) >= 1, got
+    assert got.get(("begin", "record"), 0) + got.get(("begin", "mismatch"), 0) + hits == 3, (got, hits)
     expected = {
         ("begin", "locked"): 1,
-        ("begin", "record"): 2,
-        ("begin", "mismatch"): 1,
+        ("begin", "record"): got.get(("begin", "record"), 0),
+        ("begin", "mismatch"): got.get(("begin", "mismatch"), 0),
         ("commit", "stored"): 1,
     }
-    assert deltas(before, after) == expected
+    assert got == {k: v for k, v in expected.items() if v}, got
 
     # Each operation observed once in its op's duration histogram; nothing waited.
     for op in OUTCOMES:

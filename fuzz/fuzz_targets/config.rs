@@ -108,6 +108,8 @@ fn to_json(c: &Config) -> Value {
         store_key_header,
         store_secret,
         pause_on_headers,
+        record_cache_entries,
+        record_cache_bytes,
     } = c;
     let subject = match subject {
         Subject::ClientIp => Value::Null,
@@ -134,5 +136,7 @@ fn to_json(c: &Config) -> Value {
         "store_key_header": store_key_header,
         "store_secret": store_secret.as_ref().map(StoreSecret::as_str),
         "pause_on_headers": pause_on_headers,
+        "record_cache_entries": record_cache_entries,
+        "record_cache_bytes": record_cache_bytes,
     })
 }

@@ -306,15 +306,21 @@ async fn begin<B: Backend>(
         }
     };
     let outcome = match &begun {
-        Begin::Record(_) => proto::BeginOutcome::Record,
+        Begin::Record(..) => proto::BeginOutcome::Record,
         Begin::Mismatch => proto::BeginOutcome::Mismatch,
         Begin::Busy => proto::BeginOutcome::Busy,
         Begin::Locked { .. } => proto::BeginOutcome::Locked,
     };
     let mut response = answer(outcome.as_str());
     match begun {
-        Begin::Record(bytes) => {
+        Begin::Record(bytes, ttl) => {
             response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+            // Whole milliseconds, rounded down, so a cache sized by it never outlives the record.
+            if let Some(ms) = ttl.and_then(|t| u64::try_from(t.as_millis()).ok()).filter(|ms| *ms > 0) {
+                response
+                    .headers_mut()
+                    .insert(HeaderName::from_static(proto::HEADER_TTL_MS), HeaderValue::from(ms));
+            }
             *response.body_mut() = bytes.into();
         }
         Begin::Locked { token } => match HeaderValue::try_from(token) {

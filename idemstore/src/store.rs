@@ -24,9 +24,12 @@ const MAX_RECHECK: Duration = Duration::from_millis(250);
 /// The answer to `begin` after any waiting.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Begin {
-    Record(Bytes),
+    /// The record's bytes and remaining lifetime (see [`Attempt::Record`]).
+    Record(Bytes, Option<Duration>),
     Mismatch,
-    Locked { token: String },
+    Locked {
+        token: String,
+    },
     Busy,
 }
 
@@ -122,7 +125,7 @@ impl<B: Backend> Store<B> {
             let mut woken = pin!(subscription.notify().notified());
             woken.as_mut().enable();
             let remaining = match self.backend.try_begin(key, body_hash, &token, lock_ttl).await? {
-                Attempt::Record(bytes) => return Ok(Begin::Record(bytes)),
+                Attempt::Record(bytes, ttl) => return Ok(Begin::Record(bytes, ttl)),
                 Attempt::Mismatch => return Ok(Begin::Mismatch),
                 Attempt::Locked => return Ok(Begin::Locked { token }),
                 Attempt::Held { remaining } => remaining,

@@ -314,27 +314,48 @@ async fn wakeups_missed_while_unsubscribed_are_caught_up() {
         redis::cmd("ACL").arg(&["SETUSER", "default", "allchannels"]).query_async(&mut conn).await.unwrap();
     let restored = Instant::now();
     let begun = tokio::time::timeout(Duration::from_secs(4), waiter).await.unwrap().unwrap();
-    assert_eq!(begun, Begin::Record(record));
+    assert_eq!(common::replayed(begun), Some(record));
     eprintln!("caught up {:?} after the ACL allowed the channel again", restored.elapsed());
     common::listening(&two, 2).await;
 }
 
-/// The scripts publish the store key when they drop a lock or store a record, and only then.
+/// The scripts publish the store key when they drop a lock or store a record while a `begin`
+/// waits on it (it marks the key when it finds the lock held), and only then: a key nobody
+/// waited on costs no message.
 #[tokio::test]
-async fn scripts_publish_the_key_on_change() {
+async fn scripts_publish_the_key_on_change_when_waited_on() {
     let redis = RedisServer::start().await;
     let store = redis.store();
     let client = redis::Client::open(redis.url.as_str()).unwrap();
     let mut pubsub = client.get_async_pubsub().await.unwrap();
     pubsub.subscribe(CHANNEL).await.unwrap();
+    // A `begin` that finds the lock held and gives up at once: it leaves the waiter mark.
+    let wait_on = |key: String| {
+        let store = &store;
+        async move {
+            let begun = store.begin(&key, &common::hash('a'), common::TTL, Duration::from_millis(1)).await;
+            assert_eq!(begun.unwrap(), Begin::Busy);
+        }
+    };
     let (committed, released, late) = (common::key(), common::key(), common::key());
+    let (unwatched_commit, unwatched_release) = (common::key(), common::key());
+    let token = common::lock(&store, &unwatched_commit).await;
+    store.commit(&unwatched_commit, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+    let token = common::lock(&store, &unwatched_release).await;
+    assert_eq!(store.release(&unwatched_release, &token).await.unwrap(), ReleaseOutcome::Released);
+
     let token = common::lock(&store, &committed).await;
+    wait_on(committed.clone()).await;
     store.commit(&committed, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
     let token = common::lock(&store, &released).await;
+    wait_on(released.clone()).await;
     assert_eq!(store.release(&released, "not-the-owner").await.unwrap(), ReleaseOutcome::NotOwner);
     assert_eq!(store.release(&released, &token).await.unwrap(), ReleaseOutcome::Released);
     assert_eq!(store.release(&released, &token).await.unwrap(), ReleaseOutcome::NotOwner);
-    // A record stored without a lock (late) wakes; a second commit that changes nothing not.
+    // A record stored without owning the lock (late) wakes; a second commit that changes
+    // nothing does not.
+    let _held = common::lock(&store, &late).await;
+    wait_on(late.clone()).await;
     store.commit(&late, "no-lock", &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
     store.commit(&late, "no-lock", &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
     let mut conn = redis.conn().await;

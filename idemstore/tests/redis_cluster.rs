@@ -11,7 +11,7 @@ use futures_util::StreamExt;
 use idemstore::backend::pubsub::CHANNEL;
 use idemstore::backend::redis::RedisBackend;
 use idemstore::backend::Backend;
-use idemstore::store::Store;
+use idemstore::store::{Begin, Store};
 use redis::cluster_async::ClusterConnection;
 
 /// Three cluster-enabled `redis-server`s joined by `redis-cli --cluster create`, killed by
@@ -163,8 +163,8 @@ async fn dead_master_fails_only_its_slots_and_fast() {
 
 /// Wake-ups cross instances on a cluster too. A script's classic `PUBLISH` runs on the key's
 /// master and is broadcast over the cluster bus: a subscriber on each of the three nodes hears
-/// every key, so at least two of them hear it from another node than the one that ran the
-/// script. Then two instances (each subscribed to one random seed) wake each other fast.
+/// every key waited on (a `begin` that found the lock held marked it), so at least two of them
+/// hear it from another node than the one that ran the script. Then two instances (each subscribed to one random seed) wake each other fast.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wakes_cross_instances_on_three_masters() {
     let cluster = Cluster::start().await;
@@ -178,6 +178,8 @@ async fn wakes_cross_instances_on_three_masters() {
     for _ in 0..6 {
         let key = common::key();
         let token = common::lock(&store, &key).await;
+        let waited = store.begin(&key, &common::hash('a'), common::TTL, Duration::from_millis(1)).await;
+        assert_eq!(waited.unwrap(), Begin::Busy);
         store.commit(&key, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
         for (node, messages) in subscribers.iter_mut().enumerate() {
             let message = tokio::time::timeout(Duration::from_secs(5), messages.next())

@@ -6,7 +6,7 @@
 //!
 //! | operation | request headers | request body | answer (`200`, outcome header) | answer body |
 //! |---|---|---|---|---|
-//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms | none | `record`, `locked` (+token), `busy`, `mismatch` | the record for `record` |
+//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms | none | `record` (+ttl-ms), `locked` (+token), `busy`, `mismatch` | the record for `record` |
 //! | `POST /v1/commit` | key, token, body-hash, retention-s | the record | `stored`, `late`, `exists` | none |
 //! | `POST /v1/release` | key, token | none | `released`, `not-owner` | none |
 //!
@@ -33,6 +33,10 @@ pub const HEADER_LOCK_TTL_MS: &str = "x-idem-lock-ttl-ms";
 pub const HEADER_WAIT_MS: &str = "x-idem-wait-ms";
 /// Record lifetime in seconds.
 pub const HEADER_RETENTION_S: &str = "x-idem-retention-s";
+/// On a `record` answer: how long the record still lives, in whole milliseconds. Optional (absent
+/// when the store does not know): the filter caches a replayed record only when it is given, and
+/// never beyond it.
+pub const HEADER_TTL_MS: &str = "x-idem-ttl-ms";
 /// The lock owner's token: returned by `begin` on `locked`, sent back by `commit`/`release`.
 pub const HEADER_TOKEN: &str = "x-idem-token";
 /// The operation's outcome, one of the outcome enums' wire names.

@@ -254,7 +254,7 @@ impl Backend for MemoryBackend {
         if let Some(entry) = inner.live(key, now) {
             if let Some(record) = &entry.record {
                 return Ok(if record.body_hash == body_hash {
-                    Attempt::Record(record.bytes.clone())
+                    Attempt::Record(record.bytes.clone(), Some(record.expires.saturating_duration_since(now)))
                 } else {
                     Attempt::Mismatch
                 });
@@ -352,6 +352,14 @@ mod tests {
     const HASH: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     const TTL: Duration = Duration::from_secs(30);
 
+    /// A record's bytes, whatever its remaining lifetime.
+    fn replayed(attempt: Result<Attempt>) -> Option<Bytes> {
+        match attempt {
+            Ok(Attempt::Record(bytes, _)) => Some(bytes),
+            _ => None,
+        }
+    }
+
     #[tokio::test]
     async fn key_limit_answers_full_until_space_frees() {
         let backend = MemoryBackend::new(2);
@@ -394,9 +402,9 @@ mod tests {
         assert!(matches!(backend.try_begin("held", HASH, "t9", TTL).await, Ok(Attempt::Held { .. })));
         let r = Bytes::from_static(b"mine");
         assert_eq!(backend.commit("held", "t1", HASH, r.clone(), TTL).await, Ok(CommitOutcome::Stored));
-        assert_eq!(backend.try_begin("held", HASH, "t9", TTL).await, Ok(Attempt::Record(r)));
+        assert_eq!(replayed(backend.try_begin("held", HASH, "t9", TTL).await), Some(r));
         let stored = backend.try_begin("stored", HASH, "t9", TTL).await;
-        assert_eq!(stored, Ok(Attempt::Record(Bytes::from_static(b"r"))));
+        assert_eq!(replayed(stored), Some(Bytes::from_static(b"r")));
     }
 
     #[tokio::test]
@@ -472,10 +480,13 @@ mod tests {
         let backend = MemoryBackend::new(10);
         let short = Duration::from_millis(20);
         backend.commit("k", "t", HASH, Bytes::from_static(b"r"), short).await.ok();
-        assert_eq!(
-            backend.try_begin("k", HASH, "t2", TTL).await,
-            Ok(Attempt::Record(Bytes::from_static(b"r")))
-        );
+        match backend.try_begin("k", HASH, "t2", TTL).await {
+            Ok(Attempt::Record(bytes, Some(left))) => {
+                assert_eq!(bytes, Bytes::from_static(b"r"));
+                assert!(left <= short, "the record's remaining lifetime: {left:?}");
+            }
+            other => panic!("expected the record, got {other:?}"),
+        }
         tokio::time::sleep(Duration::from_millis(40)).await;
         assert_eq!(backend.try_begin("k", HASH, "t2", TTL).await, Ok(Attempt::Locked));
     }

@@ -19,8 +19,9 @@ pub mod redis;
 /// What one atomic `begin` attempt found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Attempt {
-    /// A record with the same body hash: these are its bytes.
-    Record(Bytes),
+    /// A record with the same body hash: its bytes, and how long it still lives (`None`:
+    /// unknown), which lets the filter keep it in a cache no longer than the store does.
+    Record(Bytes, Option<Duration>),
     /// A record exists for another body hash.
     Mismatch,
     /// The lock was free and now belongs to the token passed in.

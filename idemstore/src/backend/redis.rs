@@ -1,7 +1,8 @@
 //! Redis backend, standalone or Cluster: the same three Lua scripts either way. A key's
 //! record (`idem:{<key>}:r`) and lock (`idem:{<key>}:l`) share a hash tag, so each script
 //! touches a single Cluster slot. Commits and releases also publish the key for waiters on
-//! other idemstore instances ([`super::pubsub`]).
+//! other idemstore instances ([`super::pubsub`]), when a waiter has marked the key
+//! (`idem:{<key>}:w`): most keys are never waited on, and then cost no message.
 
 use std::sync::Weak;
 use std::time::Duration;
@@ -112,6 +113,11 @@ fn lock_key(key: &str) -> String {
     format!("idem:{{{key}}}:l")
 }
 
+/// Set while a `begin` waits on the key's lock: commit and release publish a wake-up only then.
+fn waiter_key(key: &str) -> String {
+    format!("idem:{{{key}}}:w")
+}
+
 fn unavailable(e: RedisError) -> BackendError {
     BackendError::Unavailable(e.to_string())
 }
@@ -125,8 +131,10 @@ fn parse_attempt(reply: Value) -> Result<Attempt> {
         return Err(garbage("begin"));
     };
     match items.as_slice() {
-        [Value::BulkString(tag), Value::BulkString(bytes)] if tag == b"record" => {
-            Ok(Attempt::Record(Bytes::copy_from_slice(bytes)))
+        [Value::BulkString(tag), Value::BulkString(bytes), Value::Int(pttl)] if tag == b"record" => {
+            // PTTL is negative for a record without expiry (set by hand): remaining unknown.
+            let remaining = u64::try_from(*pttl).ok().map(Duration::from_millis);
+            Ok(Attempt::Record(Bytes::copy_from_slice(bytes), remaining))
         }
         [Value::BulkString(tag)] if tag == b"mismatch" => Ok(Attempt::Mismatch),
         [Value::BulkString(tag)] if tag == b"locked" => Ok(Attempt::Locked),
@@ -187,7 +195,7 @@ where
         lock_ttl: Duration,
     ) -> Result<Attempt> {
         let mut script = self.scripts.begin.key(record_key(key));
-        script.key(lock_key(key)).arg(body_hash).arg(token).arg(millis(lock_ttl));
+        script.key(lock_key(key)).key(waiter_key(key)).arg(body_hash).arg(token).arg(millis(lock_ttl));
         let reply: Value = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         parse_attempt(reply)
     }
@@ -201,7 +209,7 @@ where
         retention: Duration,
     ) -> Result<CommitOutcome> {
         let mut script = self.scripts.commit.key(record_key(key));
-        script.key(lock_key(key)).arg(token).arg(body_hash).arg(millis(retention));
+        script.key(lock_key(key)).key(waiter_key(key)).arg(token).arg(body_hash).arg(millis(retention));
         script.arg(record.as_ref()).arg(pubsub::CHANNEL).arg(key);
         let reply: Vec<u8> = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         CommitOutcome::parse(&reply).ok_or_else(|| garbage("commit"))
@@ -209,7 +217,7 @@ where
 
     async fn release(&self, key: &str, token: &str) -> Result<ReleaseOutcome> {
         let mut script = self.scripts.release.key(lock_key(key));
-        script.arg(token).arg(pubsub::CHANNEL).arg(key);
+        script.key(waiter_key(key)).arg(token).arg(pubsub::CHANNEL).arg(key);
         let deleted: i64 = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         Ok(if deleted == 1 { ReleaseOutcome::Released } else { ReleaseOutcome::NotOwner })
     }
@@ -236,15 +244,21 @@ mod tests {
     fn keys_share_a_hash_tag() {
         assert_eq!(record_key("ab"), "idem:{ab}:r");
         assert_eq!(lock_key("ab"), "idem:{ab}:l");
+        assert_eq!(waiter_key("ab"), "idem:{ab}:w");
     }
 
     #[test]
     fn parses_script_replies() {
         let bulk = |s: &[u8]| Value::BulkString(s.to_vec());
         assert_eq!(
-            parse_attempt(Value::Array(vec![bulk(b"record"), bulk(b"\0x")])),
-            Ok(Attempt::Record(Bytes::from_static(b"\0x")))
+            parse_attempt(Value::Array(vec![bulk(b"record"), bulk(b"\0x"), Value::Int(86_399_000)])),
+            Ok(Attempt::Record(Bytes::from_static(b"\0x"), Some(Duration::from_secs(86_399))))
         );
+        assert_eq!(
+            parse_attempt(Value::Array(vec![bulk(b"record"), bulk(b"r"), Value::Int(-1)])),
+            Ok(Attempt::Record(Bytes::from_static(b"r"), None))
+        );
+        assert!(parse_attempt(Value::Array(vec![bulk(b"record"), bulk(b"r")])).is_err());
         assert_eq!(parse_attempt(Value::Array(vec![bulk(b"locked")])), Ok(Attempt::Locked));
         assert_eq!(
             parse_attempt(Value::Array(vec![bulk(b"held"), Value::Int(1500)])),
