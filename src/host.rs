@@ -193,7 +193,7 @@ impl RootContext for Root {
     }
 
     fn create_http_context(&self, id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(HttpStream { id, shared: self.shared.clone() }))
+        Some(Box::new(HttpStream { id, shared: self.shared.clone(), passive: false }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -600,10 +600,16 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, caller: Calle
 struct HttpStream {
     id: u32,
     shared: Option<SharedRef>,
+    /// The machine is done with this stream (e.g. not guarded): later callbacks return at once,
+    /// without touching the shared state.
+    passive: bool,
 }
 
 impl HttpStream {
     fn run(&mut self, f: impl FnOnce(&mut Stream, &dyn StreamView) -> Step) -> HostAction {
+        if self.passive {
+            return HostAction::Continue;
+        }
         let Some(shared) = &self.shared else { return HostAction::Continue };
         let step = {
             let Ok(mut s) = shared.try_borrow_mut() else { return HostAction::Continue };
@@ -629,6 +635,14 @@ impl HttpStream {
             step
         };
         apply(shared, self.id, step.effects, Caller::Stream, true);
+        // A stream the machine is done with (most of them: not guarded) is forgotten now, not at
+        // its end, and its remaining callbacks cost nothing but the call into the VM.
+        if let Ok(mut s) = shared.try_borrow_mut() {
+            if s.streams.get(&self.id).is_some_and(|e| e.stream.is_done()) {
+                s.streams.remove(&self.id);
+                self.passive = true;
+            }
+        }
         match step.action {
             Action::Continue => HostAction::Continue,
             Action::Pause => HostAction::Pause,
@@ -638,6 +652,9 @@ impl HttpStream {
 
 impl Context for HttpStream {
     fn on_done(&mut self) -> bool {
+        if self.passive {
+            return true;
+        }
         let Some(shared) = &self.shared else { return true };
         let effects = match shared.try_borrow_mut() {
             Ok(mut s) => match s.streams.get_mut(&self.id) {

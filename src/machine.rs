@@ -162,6 +162,12 @@ impl Stream {
         }
     }
 
+    /// True once the stream needs nothing more: not guarded, or answered, committed or released,
+    /// with nothing pending. Its later callbacks can be skipped.
+    pub fn is_done(&self) -> bool {
+        matches!(self.state, State::Done)
+    }
+
     /// True once nothing this stream started is pending: the host may forget it.
     pub fn is_settled(&self) -> bool {
         !matches!(self.state, State::Orphaned { .. } | State::Beginning { .. } | State::Detached { .. })

@@ -48,8 +48,11 @@ fn executing(extra: &str) -> (Stream, String) {
     assert_eq!(s.on_request_headers(&v, false).action, Action::Pause);
     let step = s.on_request_body(&v, 2, true);
     let (key, _) = begin_call(&step.effects);
+    assert!(!s.is_done());
     let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() }));
     assert_eq!(effects, vec![Effect::Resume, Effect::Count(Metric::Executed)]);
+    // Executing: the response is still to be watched.
+    assert!(!s.is_done());
     (s, key)
 }
 
@@ -67,6 +70,8 @@ fn unguarded_methods_and_keyless_requests_pass() {
     v.request[0].1 = b"GET".to_vec();
     assert_eq!(s.on_request_headers(&v, true), Step::go(vec![]));
     assert!(s.is_settled());
+    // The host skips a done stream's later callbacks.
+    assert!(s.is_done());
 
     let mut s = Stream::new(cfg(""));
     assert_eq!(
@@ -74,6 +79,7 @@ fn unguarded_methods_and_keyless_requests_pass() {
         Step::go(vec![Effect::Count(Metric::Passthrough)])
     );
     // Nothing afterwards touches the stream.
+    assert!(s.is_done());
     assert_eq!(s.on_request_body(&MockView::post(None), 5, true), Step::go(vec![]));
     assert_eq!(s.on_stream_end(), vec![]);
 }
