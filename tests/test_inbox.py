@@ -335,6 +335,45 @@ def test_unguarded_methods_pass(inbox):
     assert resp.status == 200, resp
 
 
+def test_shipped_inbox_example_serves(inbox, run_dir):
+    """envoy/inbox.yaml as shipped (ports and wasm path rewritten) in front of the app and the
+    module's idemstore: a CloudEvent and a Pub/Sub push each run once; their duplicates replay
+    (the Pub/Sub one as the configured bare 204)."""
+    sub = run_dir / "inbox-example"
+    sub.mkdir(parents=True, exist_ok=True)
+    admin, events_port, pubsub_port = h.free_port(), h.free_port(), h.free_port()
+    store_port = int(inbox.store.argv[inbox.store.argv.index("--listen") + 1].rsplit(":", 1)[1])
+    text = (h.ROOT / "envoy" / "inbox.yaml").read_text()
+    for old, new in {"port_value: 9901": admin, "port_value: 10000": events_port,
+                     "port_value: 10001": pubsub_port, "port_value: 8081": inbox.app.port,
+                     "port_value: 8380": store_port}.items():
+        assert old in text, old
+        text = text.replace(old + "}", f"port_value: {new}}}")
+    text = text.replace("target/wasm32-wasip1/release/idempotency_filter.wasm", h.wasm_path())
+    path = sub / "inbox.yaml"
+    path.write_text(text)
+    proc = h.launch_envoy_file(sub, "envoy-inbox-example", path)
+    try:
+        envoy = h.await_envoy(h.Envoy(proc, admin, {"events": events_port, "pubsub": pubsub_port}, path))
+        h.wait_for(lambda: envoy.stats(r"^cluster\.idemstore\.membership_healthy$")
+                   .get("cluster.idemstore.membership_healthy") == 1, "idemstore healthy", proc, timeout=10)
+        ce = Event(new_id(), source="/orders")
+        first = h.request(events_port, "POST", "/events", *reversed(request_for(ce, "binary", 1)))
+        assert first.status == 200 and first.header(REPLAY) is None, first
+        assert envoy.wait_counter("stored", 1) == 1
+        dup = h.request(events_port, "POST", "/events", *reversed(request_for(ce, "structured", 2)))
+        assert dup.status == 200 and dup.header(REPLAY) == "true" and dup.body == first.body, dup
+        msg = Event(new_id())
+        first = h.request(pubsub_port, "POST", "/pubsub/orders", *reversed(request_for(msg, "pubsub", 1)))
+        assert first.status == 200 and first.header(REPLAY) is None, first
+        assert envoy.wait_counter("stored", 2) == 2
+        dup = h.request(pubsub_port, "POST", "/pubsub/orders", *reversed(request_for(msg, "pubsub", 2)))
+        assert (dup.status, dup.body, dup.header(REPLAY)) == (204, b"", "true"), dup
+        assert inbox.app.count(ce.id) == (1, 1) and inbox.app.count(msg.id) == (1, 1)
+    finally:
+        proc.stop()
+
+
 # --------------------------------------------------------------------------------------------
 # acceptance: 10,000 events over two replicas
 # --------------------------------------------------------------------------------------------
