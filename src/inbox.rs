@@ -305,6 +305,9 @@ mod tests {
             Ok(b"12345".to_vec())
         );
         assert_eq!(from_body(&pointer("/a~1b/0"), br#"{"a/b":["x"]}"#, 255).map(|m| m.id), Ok(b"x".to_vec()));
+        // Event Grid's own schema: an array of one event.
+        let grid = br#"[{"id":"eg-1","eventType":"t","subject":"s","data":{},"dataVersion":"1"}]"#;
+        assert_eq!(from_body(&pointer("/0/id"), grid, 255).map(|m| m.id), Ok(b"eg-1".to_vec()));
     }
 
     #[test]
