@@ -176,6 +176,13 @@ impl Stream {
         }
     }
 
+    /// True while the store key waits for the request body (inbox mode, the message id is in
+    /// it): a guarded request whose request headers may no longer be readable when the key
+    /// comes (`pause_on_headers: false`), so the host reads what it needs of them now.
+    pub fn awaits_key(&self) -> bool {
+        matches!(self.state, State::Reading { .. })
+    }
+
     /// True once nothing this stream started is pending: the host may forget it.
     pub fn is_settled(&self) -> bool {
         !matches!(self.state, State::Orphaned { .. } | State::Beginning { .. } | State::Detached { .. })

@@ -795,11 +795,13 @@ fn inbox_structured_event_is_read_from_the_body() {
     let mut s = Stream::new(cfg(INBOX));
     assert_eq!(s.on_request_headers(&v, false), Step::pause(vec![]));
     assert_eq!(s.store_key(), None);
+    assert!(s.awaits_key());
     assert_eq!(s.on_request_body(&v, 10, false), Step::pause(vec![]));
     let step = s.on_request_body(&v, body.len(), true);
     assert_eq!(step.action, Action::Pause);
     assert_eq!(counts(&step.effects), vec![Metric::Guarded]);
     assert_eq!(begin_call(&step.effects), (inbox_key_of(b"/src", b"e1"), inbox_body_hash()));
+    assert!(!s.awaits_key());
     // Binary and structured deliveries of one event are one message.
     let mut s = Stream::new(cfg(INBOX));
     assert_eq!(

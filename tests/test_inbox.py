@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 
 import harness as h
-from checks import REPLAY, assert_problem
+from checks import PANIC, REPLAY, assert_problem
 from inbox_app import fails_first
 from pusher import Event, PushSpec, push, request_for
 from replicas import ReplicaSets
+from test_istio_mode import istio_filters
 
 INBOX = {"mode": "inbox"}
 PUBSUB = {"mode": "inbox", "inbox": {"message_id": {"json_pointer": "/message/messageId"}}}
@@ -38,7 +39,8 @@ LISTENERS = {
     "ce_pass": {"mode": "inbox", "inbox": {"missing_id": "pass"}},
     "ce_dup": {"mode": "inbox", "inbox": {"duplicate_status": 200}},
     "ce_short_wait": {"mode": "inbox", "lock_wait_ms": 200},
-    "pubsub": PUBSUB,
+    # The store key header is set from the body callback (the id is in the body).
+    "pubsub": {**PUBSUB, "store_key_header": "x-inbox-store-key"},
     "pubsub_pass": {"mode": "inbox", "inbox": {"message_id": {"json_pointer": "/message/messageId"},
                                                "missing_id": "pass"}},
     "pubsub_dup": {"mode": "inbox", "inbox": {"message_id": {"json_pointer": "/message/messageId"},
@@ -112,6 +114,8 @@ def inbox(run_dir, artifacts) -> InboxStack:
         started.append(store)
         filters = {ln: [h.wasm_filter({"store_cluster": "idemstore", **cfg}, artifacts["wasm"])]
                    for ln, cfg in LISTENERS.items()}
+        # Istio's mode: headers go on to a buffer filter, the filter holds the body.
+        filters["istio"] = istio_filters(artifacts["wasm"], mode="inbox", inbox={"missing_id": "pass"})
         envoy = h.start_envoy(sub, "envoy-inbox", filters, app.port, sport)
     except h.HarnessError as e:
         for p in reversed(started):
@@ -121,6 +125,8 @@ def inbox(run_dir, artifacts) -> InboxStack:
     envoy.stop()
     store.stop()
     app.proc.stop()
+    panics = [ln for ln in envoy.log_text().splitlines() if PANIC.search(ln)]
+    assert not panics, "wasm panic or trap in the inbox Envoy's log:\n" + "\n".join(panics[:20])
 
 
 def new_id(prefix: str = "ev") -> str:
@@ -328,6 +334,26 @@ def test_cloudevents_batch_is_a_missing_id(inbox):
     resp = h.request(inbox.port("ce_pass"), "POST", PATH, batch,
                      [("content-type", "application/cloudevents-batch+json")])
     assert resp.status == 200, resp
+
+
+@pytest.mark.parametrize("fmt", ["binary", "structured"])
+def test_istio_mode(inbox, fmt):
+    """`pause_on_headers: false` with the buffer filter after this one (what Istio's WasmPlugin
+    can configure): a structured event's id is read from the held body; a missing one passes."""
+    port = inbox.port("istio")
+    ev = Event(new_id())
+    stored = inbox.counter("stored")
+    first = deliver(port, fmt, ev)
+    assert first.status == 200 and first.header(REPLAY) is None, first
+    wait_stored(inbox, stored + 1)
+    dup = deliver(port, fmt, ev, attempt=2)
+    assert dup.status == 200 and dup.header(REPLAY) == "true" and dup.body == first.body, dup
+    assert inbox.app.count(ev.id) == (1, 1)
+    headers, body = missing_id_request(fmt)
+    before = inbox.app.count("")[1]
+    resp = h.request(port, "POST", PATH, body, headers)
+    assert resp.status == 200 and resp.header(REPLAY) is None, resp
+    assert inbox.app.count("")[1] == before + 1
 
 
 def test_unguarded_methods_pass(inbox):
