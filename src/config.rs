@@ -46,6 +46,55 @@ pub enum Subject {
     },
 }
 
+/// What the filter guards: clients' `Idempotency-Key`s, or messages a broker pushes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mode {
+    /// The `Idempotency-Key` contract (the default).
+    IdempotencyKey,
+    /// The inbox: the message id of a pushed event is the key (`"mode": "inbox"`).
+    Inbox(Inbox),
+}
+
+/// Inbox mode: exactly-once handling of messages a broker pushes over HTTP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inbox {
+    pub message_id: MessageIdSource,
+    pub missing_id: MissingId,
+    /// Answer duplicates with this bare `2xx` (plus the replay header) instead of the stored
+    /// response.
+    pub duplicate_status: Option<u16>,
+}
+
+/// Where the message id is read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageIdSource {
+    /// CloudEvents over HTTP: `ce-id` + `ce-source` (binary mode), or `id` + `source` of an
+    /// `application/cloudevents+json` body (structured mode).
+    CloudEvents,
+    /// One request header's value.
+    Header(String),
+    /// A JSON pointer into the request body (RFC 6901), e.g. `/message/messageId`.
+    JsonPointer(String),
+}
+
+impl MessageIdSource {
+    /// True when the id may have to be read from the body.
+    pub fn may_need_body(&self) -> bool {
+        !matches!(self, MessageIdSource::Header(_))
+    }
+}
+
+/// What a guarded request without a message id gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissingId {
+    /// `400` problem.
+    Reject,
+    /// Runs unguarded (counted as `passthrough`).
+    Pass,
+}
+
+pub const DUPLICATE_STATUS: RangeInclusive<u64> = 200..=299;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     pub store_cluster: String,
@@ -79,6 +128,8 @@ pub struct Config {
     pub record_cache_entries: usize,
     /// ... and at most these bytes per VM (0: no cache).
     pub record_cache_bytes: usize,
+    /// `idempotency_key` (default) or `inbox`.
+    pub mode: Mode,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,6 +249,27 @@ impl Config {
         let record_cache_bytes =
             number(take("record_cache_bytes"), "record_cache_bytes", RECORD_CACHE_BYTES, 4 * 1024 * 1024)?
                 as usize;
+        let mode = mode(take("mode"), take("inbox"))?;
+        if let Mode::Inbox(inbox) = &mode {
+            // In inbox mode the message scopes the record, not the caller: a broker delivers
+            // from many addresses, and the Idempotency-Key header is not read at all.
+            if require_key {
+                return Err(err("require_key", "has no effect in inbox mode: use `inbox.missing_id`"));
+            }
+            if subject != Subject::ClientIp {
+                return Err(err(
+                    "subject",
+                    "is not used in inbox mode (the message's source and id scope the record)",
+                ));
+            }
+            if store_key_header.is_some() && !pause_on_headers && inbox.message_id.may_need_body() {
+                return Err(err(
+                    "store_key_header",
+                    "cannot be set with `pause_on_headers: false` when the message id may come from \
+                     the body (the request headers have gone on by then)",
+                ));
+            }
+        }
 
         if let Some(unknown) = map.keys().next() {
             return Err(err(unknown, "is not a known key"));
@@ -224,7 +296,16 @@ impl Config {
             pause_on_headers,
             record_cache_entries,
             record_cache_bytes,
+            mode,
         })
+    }
+
+    /// The inbox settings, in inbox mode.
+    pub fn inbox(&self) -> Option<&Inbox> {
+        match &self.mode {
+            Mode::Inbox(inbox) => Some(inbox),
+            Mode::IdempotencyKey => None,
+        }
     }
 
     pub fn guards_method(&self, method: &str) -> bool {
@@ -342,6 +423,67 @@ fn subject(v: Value) -> Result<Subject, ConfigError> {
     Ok(Subject::Metadata { filter, path })
 }
 
+/// `mode` and the `inbox` object, which only inbox mode takes.
+fn mode(mode: Option<Value>, inbox: Option<Value>) -> Result<Mode, ConfigError> {
+    let is_inbox = match mode {
+        None => false,
+        Some(Value::String(s)) if s == "idempotency_key" => false,
+        Some(Value::String(s)) if s == "inbox" => true,
+        Some(_) => return Err(err("mode", "must be \"idempotency_key\" or \"inbox\"")),
+    };
+    if !is_inbox {
+        return match inbox {
+            None => Ok(Mode::IdempotencyKey),
+            Some(_) => Err(err("inbox", "is only allowed with `\"mode\": \"inbox\"`")),
+        };
+    }
+    let mut obj = match inbox {
+        None => serde_json::Map::new(),
+        Some(Value::Object(obj)) => obj,
+        Some(other) => return Err(err("inbox", format!("must be an object, got {}", type_name(&other)))),
+    };
+    let message_id = match obj.remove("message_id") {
+        None => MessageIdSource::CloudEvents,
+        Some(v) => message_id(v)?,
+    };
+    let missing_id = match obj.remove("missing_id") {
+        None => MissingId::Reject,
+        Some(Value::String(s)) if s == "reject" => MissingId::Reject,
+        Some(Value::String(s)) if s == "pass" => MissingId::Pass,
+        Some(_) => return Err(err("inbox.missing_id", "must be \"reject\" or \"pass\"")),
+    };
+    let duplicate_status = match obj.remove("duplicate_status") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(number(Some(v), "inbox.duplicate_status", DUPLICATE_STATUS, 200)? as u16),
+    };
+    if let Some(unknown) = obj.keys().next() {
+        return Err(err(&format!("inbox.{unknown}"), "is not a known key"));
+    }
+    Ok(Mode::Inbox(Inbox { message_id, missing_id, duplicate_status }))
+}
+
+fn message_id(v: Value) -> Result<MessageIdSource, ConfigError> {
+    let key = "inbox.message_id";
+    let shape = "must be \"cloudevents\", {\"header\": NAME} or {\"json_pointer\": \"/a/b\"}";
+    match v {
+        Value::String(s) if s == "cloudevents" => Ok(MessageIdSource::CloudEvents),
+        Value::Object(mut obj) if obj.len() == 1 => {
+            if let Some(h) = obj.remove("header") {
+                return Ok(MessageIdSource::Header(header_name("inbox.message_id.header", h)?));
+            }
+            match obj.remove("json_pointer") {
+                Some(Value::String(p)) if p.starts_with('/') => Ok(MessageIdSource::JsonPointer(p)),
+                Some(_) => Err(err(
+                    "inbox.message_id.json_pointer",
+                    "must be a JSON pointer (RFC 6901) starting with \"/\", e.g. \"/message/messageId\"",
+                )),
+                None => Err(err(key, shape)),
+            }
+        }
+        _ => Err(err(key, shape)),
+    }
+}
+
 /// `store_secret` itself, or the environment variable `store_secret_env` names; at most one.
 /// Errors never quote the secret: they end up in Envoy's log.
 fn store_secret(
@@ -420,6 +562,8 @@ mod tests {
         assert_eq!(c.detached_timeout_ms, 15_000);
         assert_eq!(c.store_key_header, None);
         assert!(c.pause_on_headers);
+        assert_eq!(c.mode, Mode::IdempotencyKey);
+        assert_eq!(c.inbox(), None);
         assert!(!parse(r#"{"store_cluster":"s","pause_on_headers":false}"#).unwrap().pause_on_headers);
         assert!(parse(r#"{"store_cluster":"s","pause_on_headers":"no"}"#).is_err());
         assert_eq!((c.record_cache_entries, c.record_cache_bytes), (1024, 4 * 1024 * 1024));
@@ -505,6 +649,99 @@ mod tests {
         }
         assert!(parse("not json").is_err());
         assert!(parse("[]").is_err());
+    }
+
+    #[test]
+    fn inbox_mode() {
+        let c = parse(r#"{"store_cluster":"s","mode":"inbox"}"#).unwrap();
+        assert_eq!(
+            c.inbox(),
+            Some(&Inbox {
+                message_id: MessageIdSource::CloudEvents,
+                missing_id: MissingId::Reject,
+                duplicate_status: None
+            })
+        );
+        let c = parse(
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"header":"x-message-id"},
+                "missing_id":"pass","duplicate_status":204}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.inbox(),
+            Some(&Inbox {
+                message_id: MessageIdSource::Header("x-message-id".into()),
+                missing_id: MissingId::Pass,
+                duplicate_status: Some(204)
+            })
+        );
+        let c = parse(
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"/message/messageId"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.inbox().unwrap().message_id, MessageIdSource::JsonPointer("/message/messageId".into()));
+        let c = parse(r#"{"store_cluster":"s","mode":"idempotency_key"}"#).unwrap();
+        assert_eq!(c.mode, Mode::IdempotencyKey);
+        // Istio's mode works when the id is in a header, or when no store key header is sent.
+        assert!(parse(
+            r#"{"store_cluster":"s","mode":"inbox","pause_on_headers":false,"store_key_header":"x-k",
+                "inbox":{"message_id":{"header":"x-id"}}}"#
+        )
+        .is_ok());
+        assert!(parse(r#"{"store_cluster":"s","mode":"inbox","pause_on_headers":false}"#).is_ok());
+    }
+
+    #[test]
+    fn inbox_errors_name_the_key() {
+        let cases = [
+            (r#"{"store_cluster":"s","inbox":{}}"#, "inbox"),
+            (r#"{"store_cluster":"s","mode":"idempotency_key","inbox":{}}"#, "inbox"),
+            (r#"{"store_cluster":"s","mode":"outbox"}"#, "mode"),
+            (r#"{"store_cluster":"s","mode":1}"#, "mode"),
+            (r#"{"store_cluster":"s","mode":"inbox","inbox":[]}"#, "inbox"),
+            (r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":"kafka"}}"#, "inbox.message_id"),
+            (r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{}}}"#, "inbox.message_id"),
+            (
+                r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"header":"x","json_pointer":"/a"}}}"#,
+                "inbox.message_id",
+            ),
+            (
+                r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"header":"X-Id"}}}"#,
+                "inbox.message_id.header",
+            ),
+            (
+                r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"message"}}}"#,
+                "inbox.message_id.json_pointer",
+            ),
+            (
+                r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":""}}}"#,
+                "inbox.message_id.json_pointer",
+            ),
+            (r#"{"store_cluster":"s","mode":"inbox","inbox":{"missing_id":"drop"}}"#, "inbox.missing_id"),
+            (
+                r#"{"store_cluster":"s","mode":"inbox","inbox":{"duplicate_status":500}}"#,
+                "inbox.duplicate_status",
+            ),
+            (
+                r#"{"store_cluster":"s","mode":"inbox","inbox":{"duplicate_status":"200"}}"#,
+                "inbox.duplicate_status",
+            ),
+            (r#"{"store_cluster":"s","mode":"inbox","inbox":{"retries":3}}"#, "inbox.retries"),
+            (r#"{"store_cluster":"s","mode":"inbox","require_key":true}"#, "require_key"),
+            (r#"{"store_cluster":"s","mode":"inbox","subject":{"header":"x-user"}}"#, "subject"),
+            (
+                r#"{"store_cluster":"s","mode":"inbox","pause_on_headers":false,"store_key_header":"x-k"}"#,
+                "store_key_header",
+            ),
+        ];
+        for (json, key) in cases {
+            let e = parse(json).unwrap_err();
+            assert_eq!(e.key, key, "{json}: {e}");
+            assert!(e.to_string().contains(&format!("`{key}`")), "{json}: {e}");
+        }
+        let e =
+            parse(r#"{"store_cluster":"s","mode":"inbox","inbox":{"duplicate_status":500}}"#).unwrap_err();
+        assert!(e.to_string().contains("200 to 299"), "{e}");
     }
 
     const SECRET: &str = "Sup3r-s3cret~value!";

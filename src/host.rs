@@ -625,9 +625,12 @@ impl HttpStream {
             if entry.key_prefix.is_none() {
                 entry.key_prefix = entry.stream.store_key().map(|k| prefix(k).to_string());
             }
-            // Store calls (and so log lines) follow only once a store key exists.
+            // Store calls (and so log lines) follow only once a store key exists, or will once
+            // the body has been read (inbox mode; the headers may be gone by then).
             if entry.request_id.is_none()
-                && (entry.key_prefix.is_some() || log::log_enabled!(log::Level::Debug))
+                && (entry.key_prefix.is_some()
+                    || entry.stream.awaits_key()
+                    || log::log_enabled!(log::Level::Debug))
             {
                 entry.request_id =
                     Some(request_id(view.request_header("x-request-id").first().map(Vec::as_slice)));

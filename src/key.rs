@@ -103,11 +103,17 @@ fn parse_sf_string(v: &[u8]) -> Result<String, KeyError> {
 
 /// The store key: lowercase hex SHA-256 of the length-prefixed scope and key.
 pub fn store_key(subject: &str, method: &str, route: &str, client_key: &str) -> String {
+    store_key_bytes(subject.as_bytes(), method, route, client_key.as_bytes())
+}
+
+/// [`store_key`] over exact bytes: a message id or source read from a header need not be UTF-8,
+/// and two ids that differ in any byte must stay two records.
+pub fn store_key_bytes(subject: &[u8], method: &str, route: &str, client_key: &[u8]) -> String {
     let mut h = Sha256::new();
     h.update(b"idempotency-key/v1");
-    for field in [subject, method, route, client_key] {
+    for field in [subject, method.as_bytes(), route.as_bytes(), client_key] {
         h.update((field.len() as u64).to_be_bytes());
-        h.update(field.as_bytes());
+        h.update(field);
     }
     hex(&h.finalize())
 }
@@ -197,6 +203,8 @@ mod tests {
         assert_ne!(k, store_key("anon:127.0.0.1", "PATCH", "orders", "abc"));
         assert_ne!(k, store_key("anon:127.0.0.1", "POST", "payments", "abc"));
         assert_ne!(k, store_key("anon:127.0.0.1", "POST", "orders", "abd"));
+        assert_eq!(k, store_key_bytes(b"anon:127.0.0.1", "POST", "orders", b"abc"));
+        assert_ne!(store_key_bytes(b"s", "POST", "r", b"\xff"), store_key_bytes(b"s", "POST", "r", b"\xfe"));
         // Length prefixes: moving a boundary changes the key.
         assert_ne!(store_key("ab", "c", "r", "k"), store_key("a", "bc", "r", "k"));
     }

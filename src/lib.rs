@@ -1,4 +1,4 @@
-//! Idempotency-Key filter for Envoy.
+//! Idempotency-Key filter for Envoy (and, in inbox mode, exactly-once for pushed messages).
 //!
 //! The pure core (everything but [`host`]) has no proxy-wasm dependency and is unit-tested
 //! natively; `host` is the thin layer that talks to Envoy. [`sim`] is test support: a scripted
@@ -7,6 +7,7 @@
 pub mod config;
 pub mod detached;
 pub mod headers;
+pub mod inbox;
 pub mod key;
 pub mod machine;
 pub mod metrics;

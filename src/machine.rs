@@ -13,13 +13,21 @@
 //!                          Executing ──2xx JSON or empty──▶ Capturing ──end──▶ commit
 //!                              └──other response / reset / client gone──────▶ release
 //! ```
+//!
+//! Inbox mode (`"mode": "inbox"`) keys the same flow by the message id instead of an
+//! `Idempotency-Key`: read at headers (`ce-id` + `ce-source`, a header), or, when it is in the body
+//! (structured CloudEvents, a JSON pointer), by `Reading` the body first and then going on as
+//! `Hashing` at its end. The body hash is a constant (the id is the identity: a redelivery may
+//! differ, e.g. Pub/Sub's `deliveryAttempt`), and any `2xx` marks the message handled: what a
+//! record cannot hold (a text body, too large) is stored as its status alone.
 
 use sha2::{Digest, Sha256};
 use std::rc::Rc;
 
-use crate::config::{Config, FailureMode, Subject};
+use crate::config::{Config, FailureMode, MissingId, Subject};
 use crate::detached::{self, UpstreamAnswer, UpstreamCall};
 use crate::headers;
+use crate::inbox::{self, IdError, Lookup, MessageId};
 use crate::key;
 use crate::metrics::Metric;
 use crate::problem::{self, LocalResponse};
@@ -95,6 +103,12 @@ struct Capture {
 #[derive(Debug)]
 enum State {
     Start,
+    /// Inbox mode, the message id is in the body: buffering it until its end.
+    Reading {
+        method: String,
+        route: String,
+        body: Vec<u8>,
+    },
     Hashing {
         key: String,
         hasher: Sha256,
@@ -158,7 +172,7 @@ impl Stream {
             | State::Executing { key, .. }
             | State::Detached { key, .. }
             | State::Capturing { key, .. } => Some(key),
-            State::Start | State::Done => None,
+            State::Start | State::Reading { .. } | State::Done => None,
         }
     }
 
@@ -166,6 +180,13 @@ impl Stream {
     /// with nothing pending. Its later callbacks can be skipped.
     pub fn is_done(&self) -> bool {
         matches!(self.state, State::Done)
+    }
+
+    /// True while the store key waits for the request body (inbox mode, the message id is in
+    /// it): a guarded request whose request headers may no longer be readable when the key
+    /// comes (`pause_on_headers: false`), so the host reads what it needs of them now.
+    pub fn awaits_key(&self) -> bool {
+        matches!(self.state, State::Reading { .. })
     }
 
     /// True once nothing this stream started is pending: the host may forget it.
@@ -187,6 +208,9 @@ impl Stream {
         }
         // `post` (HTTP/2 lets it through) is guarded as, and shares records with, `POST`.
         let method = method.to_ascii_uppercase();
+        if self.cfg.inbox().is_some() {
+            return self.inbox_headers(view, method, end_of_stream);
+        }
         let values = view.request_header("idempotency-key");
         let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
         let client_key = match key::parse_client_key(&values, self.cfg.max_key_length) {
@@ -199,26 +223,30 @@ impl Stream {
             }
             Ok(Some(k)) => k,
         };
-        let mut effects = vec![Effect::Count(Metric::Guarded)];
-        let declared = first(view.request_header("content-length"))
-            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
-        if declared.is_some_and(|n| n > self.cfg.max_body_bytes as u64) {
+        let effects = vec![Effect::Count(Metric::Guarded)];
+        if self.declared_too_large(view) {
             return too_large(effects, self.cfg.max_body_bytes);
         }
         let subject = self.subject(view);
-        let route = match view.property(&["xds", "route_name"]) {
-            Some(name) if !name.is_empty() => String::from_utf8_lossy(&name).into_owned(),
-            _ => {
-                let path = first(view.request_header(":path")).unwrap_or_default();
-                key::route_from_path(&String::from_utf8_lossy(&path)).to_string()
-            }
-        };
+        let route = route(view);
         let key = key::store_key(&subject, &method, &route, &client_key);
+        self.guard(view, key, effects, end_of_stream)
+    }
+
+    /// Takes the request under guard with its store key: the body is read to its end, then
+    /// `begin` goes out.
+    fn guard(
+        &mut self,
+        view: &dyn StreamView,
+        key: String,
+        mut effects: Vec<Effect>,
+        end_of_stream: bool,
+    ) -> Step {
         if let Some(name) = &self.cfg.store_key_header {
             effects.push(Effect::SetRequestHeader(name.clone(), key.clone()));
         }
         if self.cfg.detached_execution {
-            self.detach = self.capture_for_detach(view, &key);
+            self.detach = self.capture_for_detach(view, Some(&key));
         }
         self.state = State::Hashing { key, hasher: Sha256::new(), seen: 0 };
         if end_of_stream {
@@ -227,6 +255,11 @@ impl Stream {
             effects.extend(self.begin());
             return Step::pause(effects);
         }
+        self.hold(effects)
+    }
+
+    /// Pauses a request with a body that the filter reads before deciding.
+    fn hold(&self, effects: Vec<Effect>) -> Step {
         if self.cfg.pause_on_headers {
             Step::pause(effects)
         } else {
@@ -236,35 +269,142 @@ impl Stream {
         }
     }
 
-    pub fn on_request_body(&mut self, view: &dyn StreamView, buffered: usize, end_of_stream: bool) -> Step {
-        let State::Hashing { hasher, seen, .. } = &mut self.state else {
+    fn declared_too_large(&self, view: &dyn StreamView) -> bool {
+        let declared = first(view.request_header("content-length"))
+            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
+        declared.is_some_and(|n| n > self.cfg.max_body_bytes as u64)
+    }
+
+    /// Inbox mode, on request headers: the message id, or the body to read it from.
+    fn inbox_headers(&mut self, view: &dyn StreamView, method: String, end_of_stream: bool) -> Step {
+        let Some(inbox) = self.cfg.inbox() else { return Step::go(vec![]) };
+        let header = |name: &str| view.request_header(name);
+        match inbox::at_headers(&inbox.message_id, &header, self.cfg.max_key_length) {
+            Err(e) => self.without_id(view, e),
+            Ok(Lookup::Found(id)) => {
+                let effects = vec![Effect::Count(Metric::Guarded)];
+                if self.declared_too_large(view) {
+                    return too_large(effects, self.cfg.max_body_bytes);
+                }
+                let key = inbox_key(&method, &route(view), &id);
+                self.guard(view, key, effects, end_of_stream)
+            }
+            Ok(Lookup::InBody) => {
+                if self.declared_too_large(view) {
+                    return too_large(vec![], self.cfg.max_body_bytes);
+                }
+                // A client's value goes now: the id, and so the key, may never come.
+                let effects = self.strip_store_key_header(view);
+                if self.cfg.detached_execution {
+                    self.detach = self.capture_for_detach(view, None);
+                }
+                self.state = State::Reading { method, route: route(view), body: Vec::new() };
+                if end_of_stream {
+                    let mut step = self.finish_reading();
+                    step.effects.splice(0..0, effects);
+                    return step;
+                }
+                self.hold(effects)
+            }
+        }
+    }
+
+    /// Inbox mode: no usable message id. A missing one runs unguarded or gets `400`
+    /// (`inbox.missing_id`); a malformed one always gets `400`.
+    fn without_id(&mut self, view: &dyn StreamView, e: IdError) -> Step {
+        self.state = State::Done;
+        let pass = self.cfg.inbox().is_some_and(|i| i.missing_id == MissingId::Pass);
+        match e {
+            IdError::Missing if pass => {
+                let mut effects = self.strip_store_key_header(view);
+                effects.push(Effect::Count(Metric::Passthrough));
+                Step::go(effects)
+            }
+            IdError::Missing => reject(problem::missing_message_id()),
+            e => reject(problem::invalid_message_id(e)),
+        }
+    }
+
+    /// Inbox mode, the whole body read: the id from it, then `begin` (or no id: see
+    /// [`Self::without_id`]).
+    fn finish_reading(&mut self) -> Step {
+        let State::Reading { method, route, body } = std::mem::replace(&mut self.state, State::Done) else {
             return Step::go(vec![]);
+        };
+        let Some(inbox) = self.cfg.inbox() else { return Step::go(vec![]) };
+        let id = match inbox::from_body(&inbox.message_id, &body, self.cfg.max_key_length) {
+            Ok(id) => id,
+            // The headers were read and any store key header removed then: nothing to strip.
+            Err(e) => return self.without_id(&NoHeaders, e),
+        };
+        let key = inbox_key(&method, &route, &id);
+        let mut effects = vec![Effect::Count(Metric::Guarded)];
+        if let Some(name) = &self.cfg.store_key_header {
+            // Still the stream's own callback, and its headers are held (pause_on_headers).
+            effects.push(Effect::SetRequestHeader(name.clone(), key.clone()));
+            if let Some(d) = &mut self.detach {
+                detached::set_header(&mut d.headers, name, &key);
+            }
+        }
+        self.state = State::Hashing { key, hasher: Sha256::new(), seen: body.len() };
+        effects.extend(self.begin());
+        Step::pause(effects)
+    }
+
+    pub fn on_request_body(&mut self, view: &dyn StreamView, buffered: usize, end_of_stream: bool) -> Step {
+        let inbox = self.cfg.inbox().is_some();
+        let (hasher, seen, kept) = match &mut self.state {
+            State::Hashing { hasher, seen, .. } => (Some(hasher), *seen, None),
+            State::Reading { body, .. } => (None, body.len(), Some(body)),
+            _ => return Step::go(vec![]),
         };
         if buffered > self.cfg.max_body_bytes {
             self.state = State::Done;
             return too_large(vec![], self.cfg.max_body_bytes);
         }
-        if buffered > *seen {
-            // Envoy hands us the whole buffered body each time: hash only what is new.
-            let Some(chunk) = view.request_body(*seen, buffered - *seen) else {
-                return Step::pause(self.fault(StoreFault::Dispatch));
-            };
-            hasher.update(&chunk);
-            *seen += chunk.len();
-            if let Some(d) = &mut self.detach {
-                d.body.extend_from_slice(&chunk);
+        let mut now = seen;
+        if buffered > seen {
+            // Envoy hands us the whole buffered body each time: read only what is new, and only
+            // when something needs it (inbox mode hashes nothing).
+            let hashing = hasher.is_some() && !inbox;
+            if hashing || kept.is_some() || self.detach.is_some() {
+                let Some(chunk) = view.request_body(seen, buffered - seen) else {
+                    return Step::pause(self.fault(StoreFault::Dispatch));
+                };
+                if let (Some(h), true) = (hasher, hashing) {
+                    h.update(&chunk);
+                }
+                if let Some(body) = kept {
+                    body.extend_from_slice(&chunk);
+                }
+                if let Some(d) = &mut self.detach {
+                    d.body.extend_from_slice(&chunk);
+                }
+                now += chunk.len();
+            } else {
+                now = buffered;
             }
         }
+        if let State::Hashing { seen, .. } = &mut self.state {
+            *seen = now;
+        }
         if end_of_stream {
-            return Step::pause(self.begin());
+            return self.end_of_request_body();
         }
         Step::pause(vec![])
     }
 
+    fn end_of_request_body(&mut self) -> Step {
+        match self.state {
+            State::Reading { .. } => self.finish_reading(),
+            _ => Step::pause(self.begin()),
+        }
+    }
+
     /// Trailers end the request body.
     pub fn on_request_trailers(&mut self) -> Step {
-        if matches!(self.state, State::Hashing { .. }) {
-            return Step::pause(self.begin());
+        if matches!(self.state, State::Hashing { .. } | State::Reading { .. }) {
+            return self.end_of_request_body();
         }
         Step::go(vec![])
     }
@@ -272,7 +412,11 @@ impl Stream {
     fn begin(&mut self) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Hashing { key, hasher, .. } => {
-                let body_hash = key::hex(&hasher.finalize());
+                let body_hash = match self.cfg.inbox() {
+                    // The id is the identity: a redelivery may differ in its body.
+                    Some(_) => inbox_body_hash(),
+                    None => key::hex(&hasher.finalize()),
+                };
                 let call = StoreCall::Begin { key: key.clone(), body_hash: body_hash.clone() };
                 self.state = State::Beginning { key, body_hash };
                 vec![Effect::Store(call)]
@@ -294,7 +438,11 @@ impl Stream {
                     vec![Effect::Respond(problem::key_reused()), Effect::Count(Metric::Mismatched)]
                 }
                 Ok(BeginAnswer::Busy) => {
-                    vec![Effect::Respond(problem::in_flight()), Effect::Count(Metric::Conflicted)]
+                    let problem = match self.cfg.inbox() {
+                        Some(_) => problem::message_in_flight(),
+                        None => problem::in_flight(),
+                    };
+                    vec![Effect::Respond(problem), Effect::Count(Metric::Conflicted)]
                 }
                 Ok(BeginAnswer::Locked { token }) => match self.detach.take() {
                     Some(d) => {
@@ -346,6 +494,10 @@ impl Stream {
     }
 
     fn replay(&self, record: Record) -> LocalResponse {
+        if let Some(status) = self.cfg.inbox().and_then(|i| i.duplicate_status) {
+            let headers = vec![(self.cfg.replay_header.clone(), "true".to_string())];
+            return LocalResponse { status: u32::from(status), headers, body: Vec::new() };
+        }
         let mut headers = record.headers;
         headers.push((self.cfg.replay_header.clone(), "true".to_string()));
         LocalResponse { status: u32::from(record.status), headers, body: record.body }
@@ -361,10 +513,18 @@ impl Stream {
                 let declared = first(view.response_header("content-length"))
                     .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
                 let recorded = self.allowed_headers(view);
-                let storable = (200..=299).contains(&status)
+                let success = (200..=299).contains(&status);
+                let storable = success
                     && content_type.as_deref().is_none_or(headers::is_json_content_type)
                     && declared.is_none_or(|n| n <= self.cfg.max_record_bytes as u64)
                     && record::headers_fit(&recorded);
+                if let (Some(inbox), true) = (self.cfg.inbox(), success) {
+                    // Any 2xx marks the message handled; what a record cannot hold (or what
+                    // duplicates are not answered with) is left out.
+                    if !storable || inbox.duplicate_status.is_some() {
+                        return Step::go(commit_status(key, token, body_hash, status));
+                    }
+                }
                 if !storable {
                     return Step::go(release(key, token));
                 }
@@ -425,6 +585,9 @@ impl Stream {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Capturing { key, body_hash, token, capture } => {
                 if capture.untyped && !capture.body.is_empty() {
+                    if self.cfg.inbox().is_some() {
+                        return commit_status(key, token, body_hash, capture.status);
+                    }
                     return release(key, token);
                 }
                 let record = Record { status: capture.status, headers: capture.headers, body: capture.body };
@@ -439,6 +602,9 @@ impl Stream {
 
     fn abandon_capture(&mut self) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
+            State::Capturing { key, body_hash, token, capture } if self.cfg.inbox().is_some() => {
+                commit_status(key, token, body_hash, capture.status)
+            }
             State::Capturing { key, token, .. } => release(key, token),
             other => {
                 self.state = other;
@@ -494,19 +660,25 @@ impl Stream {
         let headers = self.record_headers(|name| {
             answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
         });
-        let storable = (200..=299).contains(&answer.status)
+        let success = (200..=299).contains(&answer.status);
+        let storable = success
             && match answer.header("content-type") {
                 Some(ct) => headers::is_json_content_type(ct),
                 None => answer.body.is_empty(),
             }
             && answer.body.len() <= self.cfg.max_record_bytes
             && record::headers_fit(&headers);
-        if !storable {
+        let status_only =
+            success && self.cfg.inbox().is_some_and(|i| !storable || i.duplicate_status.is_some());
+        if status_only {
+            effects.extend(commit_status(key, token, body_hash, answer.status));
+        } else if !storable {
             effects.extend(release(key, token));
             return effects;
+        } else {
+            let record = Record { status: answer.status, headers, body: answer.body };
+            effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
         }
-        let record = Record { status: answer.status, headers, body: answer.body };
-        effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
         if gone {
             effects.push(Effect::Count(Metric::CommittedAfterGone));
         }
@@ -514,12 +686,16 @@ impl Stream {
     }
 
     /// The request as a detached execution will send it, or `None` to route it normally.
-    fn capture_for_detach(&self, view: &dyn StreamView, key: &str) -> Option<Detach> {
+    /// `key`: the store key, if already known (inbox mode may learn it from the body).
+    fn capture_for_detach(&self, view: &dyn StreamView, key: Option<&str>) -> Option<Detach> {
         let cluster = view.property(&["xds", "cluster_name"]).filter(|c| !c.is_empty())?;
         let cluster = String::from_utf8(cluster).ok()?;
         let mut headers = detached::forwardable_request(&view.request_headers())?;
         if let Some(name) = &self.cfg.store_key_header {
-            detached::set_header(&mut headers, name, key);
+            match key {
+                Some(key) => detached::set_header(&mut headers, name, key),
+                None => headers.retain(|(n, _)| n != name),
+            }
         }
         Some(Detach { cluster, headers, body: Vec::new() })
     }
@@ -581,6 +757,63 @@ impl Stream {
 
 fn first(values: Vec<Vec<u8>>) -> Option<Vec<u8>> {
     values.into_iter().next()
+}
+
+/// The route part of the scope: the Envoy route's name, else the path without its query.
+fn route(view: &dyn StreamView) -> String {
+    match view.property(&["xds", "route_name"]) {
+        Some(name) if !name.is_empty() => String::from_utf8_lossy(&name).into_owned(),
+        _ => {
+            let path = first(view.request_header(":path")).unwrap_or_default();
+            key::route_from_path(&String::from_utf8_lossy(&path)).to_string()
+        }
+    }
+}
+
+/// Inbox mode's store key: subject `inbox:<source>` (never the client's address: a broker
+/// delivers from many), the method, the route (two subscriber routes each handle an event
+/// once), and the id, all exact bytes.
+fn inbox_key(method: &str, route: &str, id: &MessageId) -> String {
+    let mut subject = Vec::with_capacity(6 + id.source.len());
+    subject.extend_from_slice(b"inbox:");
+    subject.extend_from_slice(&id.source);
+    key::store_key_bytes(&subject, method, route, &id.id)
+}
+
+/// The body hash inbox mode sends with every `begin`: a constant, so that no redelivery is
+/// ever a mismatch.
+pub fn inbox_body_hash() -> String {
+    key::hex(&Sha256::digest(b"idempotency-filter/inbox/v1"))
+}
+
+/// A view with no request headers (for a decision after they are gone).
+struct NoHeaders;
+
+impl StreamView for NoHeaders {
+    fn request_header(&self, _: &str) -> Vec<Vec<u8>> {
+        Vec::new()
+    }
+    fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
+        Vec::new()
+    }
+    fn response_header(&self, _: &str) -> Vec<Vec<u8>> {
+        Vec::new()
+    }
+    fn property(&self, _: &[&str]) -> Option<Vec<u8>> {
+        None
+    }
+    fn request_body(&self, _: usize, _: usize) -> Option<Vec<u8>> {
+        None
+    }
+    fn response_body(&self, _: usize, _: usize) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+/// Inbox mode: the message was handled; the record keeps only its status.
+fn commit_status(key: String, token: String, body_hash: String, status: u16) -> Vec<Effect> {
+    let record = Record { status, headers: Vec::new(), body: Vec::new() };
+    vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
 }
 
 fn reject(response: LocalResponse) -> Step {

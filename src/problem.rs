@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 
+use crate::inbox::IdError;
 use crate::key::KeyError;
 
 /// A response the filter sends instead of the upstream's.
@@ -45,6 +46,33 @@ pub fn missing_key() -> LocalResponse {
 
 pub fn invalid_key(e: KeyError) -> LocalResponse {
     problem(400, "invalid-key", "Invalid Idempotency-Key", &e.to_string())
+}
+
+/// Inbox mode: a guarded request without a message id (`missing_id: reject`).
+pub fn missing_message_id() -> LocalResponse {
+    problem(
+        400,
+        "missing-message-id",
+        "Message id required",
+        "This endpoint takes messages with an id (CloudEvents ce-id and ce-source, or the configured header or body field).",
+    )
+}
+
+/// Inbox mode: an id that is there but unusable (empty, too long, not a string, repeated).
+pub fn invalid_message_id(e: IdError) -> LocalResponse {
+    problem(400, "invalid-message-id", "Invalid message id", &e.to_string())
+}
+
+/// Inbox mode: another delivery of the same message is still being handled.
+pub fn message_in_flight() -> LocalResponse {
+    let mut r = problem(
+        409,
+        "message-in-flight",
+        "Message in flight",
+        "Another delivery of this message is still being processed; redeliver it later.",
+    );
+    r.headers.push(("retry-after".into(), "1".into()));
+    r
 }
 
 pub fn body_too_large(max: usize) -> LocalResponse {
@@ -118,6 +146,9 @@ mod tests {
             (store_unavailable(), 503),
             (upstream_failed(), 502),
             (upstream_timeout(5), 504),
+            (missing_message_id(), 400),
+            (invalid_message_id(IdError::Empty), 400),
+            (message_in_flight(), 409),
         ] {
             assert_eq!(r.status, status);
             assert_eq!(r.headers[0], ("content-type".into(), "application/problem+json".into()));

@@ -56,6 +56,33 @@ INVALID = {
                                       ["subject.metadata.path"]),
     "store_cluster_empty": ({"store_cluster": ""}, ["store_cluster"]),
     "top_level_list": (["store_cluster", "idemstore"], []),
+    # The record cache (issue 8).
+    "record_cache_entries_too_many": ({"store_cluster": "idemstore", "record_cache_entries": 100001},
+                                      ["record_cache_entries", "0 to 100000"]),
+    "record_cache_bytes_negative": ({"store_cluster": "idemstore", "record_cache_bytes": -1},
+                                    ["record_cache_bytes"]),
+    # Inbox mode (issue 9).
+    "inbox_without_mode": ({"store_cluster": "idemstore", "inbox": {"missing_id": "pass"}}, ["inbox", "mode"]),
+    "mode_unknown": ({"store_cluster": "idemstore", "mode": "outbox"}, ["mode", "inbox"]),
+    "inbox_message_id_unknown_form": ({"store_cluster": "idemstore", "mode": "inbox",
+                                       "inbox": {"message_id": {"kafka_key": True}}}, ["inbox.message_id"]),
+    "inbox_message_id_unknown_name": ({"store_cluster": "idemstore", "mode": "inbox",
+                                       "inbox": {"message_id": "amqp"}}, ["inbox.message_id"]),
+    "inbox_duplicate_status_500": ({"store_cluster": "idemstore", "mode": "inbox",
+                                    "inbox": {"duplicate_status": 500}}, ["inbox.duplicate_status", "200 to 299"]),
+    "inbox_missing_id_drop": ({"store_cluster": "idemstore", "mode": "inbox", "inbox": {"missing_id": "drop"}},
+                              ["inbox.missing_id"]),
+    "inbox_json_pointer_without_slash": ({"store_cluster": "idemstore", "mode": "inbox",
+                                          "inbox": {"message_id": {"json_pointer": "message/messageId"}}},
+                                         ["inbox.message_id.json_pointer"]),
+    "inbox_header_upper_case": ({"store_cluster": "idemstore", "mode": "inbox",
+                                 "inbox": {"message_id": {"header": "X-Message-Id"}}}, ["inbox.message_id.header"]),
+    "inbox_unknown_key": ({"store_cluster": "idemstore", "mode": "inbox", "inbox": {"retries": 3}},
+                          ["inbox.retries"]),
+    "inbox_with_require_key": ({"store_cluster": "idemstore", "mode": "inbox", "require_key": True},
+                               ["require_key", "inbox"]),
+    "inbox_with_subject": ({"store_cluster": "idemstore", "mode": "inbox", "subject": {"header": "x-user"}},
+                           ["subject", "inbox"]),
 }
 
 READY_DEADLINE = 15.0
@@ -117,6 +144,14 @@ def test_valid_config_starts(run_dir, artifacts, upstream):
     cfg = {"store_cluster": "idemstore", "retention_seconds": 604800, "lock_ttl_ms": 1000,
            "methods": ["POST"], "failure_mode": "open", "subject": {"header": "x-user"}}
     assert_config_serves(run_dir, artifacts, upstream, "envoy-valid", cfg)
+
+
+def test_valid_inbox_config_starts(run_dir, artifacts, upstream):
+    """Every inbox key at once is accepted (a GET is not guarded, so it reaches the upstream)."""
+    cfg = {"store_cluster": "idemstore", "mode": "inbox", "retention_seconds": 604800,
+           "inbox": {"message_id": {"json_pointer": "/message/messageId"}, "missing_id": "pass",
+                     "duplicate_status": 204}}
+    assert_config_serves(run_dir, artifacts, upstream, "envoy-valid-inbox", cfg)
 
 
 def test_valid_detached_config_starts(run_dir, artifacts, upstream):

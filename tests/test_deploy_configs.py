@@ -138,6 +138,40 @@ def test_envoy_bootstrap_validates(path, work_dir):
     assert_valid(envoy_validate(copy), copy)
 
 
+INBOX_EXAMPLE = ENVOY_DIR / "inbox.yaml"
+
+
+def plugin_configs(doc: dict) -> list[dict]:
+    """The idempotency filter's plugin configurations (parsed JSON) in a bootstrap, per listener."""
+    out = []
+    for listener in doc["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                for hf in f["typed_config"].get("http_filters", []):
+                    if hf["name"] == "envoy.filters.http.wasm":
+                        out.append(json.loads(hf["typed_config"]["config"]["configuration"]["value"]))
+    return out
+
+
+def test_inbox_example(work_dir):
+    """envoy/inbox.yaml (validated above like every bootstrap): every listener's filter is in
+    inbox mode (CloudEvents on one, a Pub/Sub JSON pointer on the other), with envoy.yaml's
+    idemstore cluster. A control shows that validation runs the inbox keys' checks: the same
+    file with `duplicate_status: 500` is refused, naming the key."""
+    doc = load_docs(INBOX_EXAMPLE)[0]
+    configs = plugin_configs(doc)
+    assert [c["mode"] for c in configs] == ["inbox", "inbox"], configs
+    assert configs[0]["inbox"]["message_id"] == "cloudevents"
+    assert configs[1]["inbox"]["message_id"] == {"json_pointer": "/message/messageId"}
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    shipped = {c["name"]: c for c in load_docs(ENVOY_DIR / "envoy.yaml")[0]["static_resources"]["clusters"]}
+    assert clusters["idemstore"] == shipped["idemstore"]
+    bad = work_dir / "validate-inbox-bad.yaml"
+    bad.write_text(with_built_wasm(INBOX_EXAMPLE.read_text()).replace('"duplicate_status": 204',
+                                                                      '"duplicate_status": 500'))
+    assert_refused(envoy_validate(bad), "inbox.duplicate_status")
+
+
 # --------------------------------------------------------------------------------------------
 # Istio manifests
 # --------------------------------------------------------------------------------------------

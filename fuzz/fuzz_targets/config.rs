@@ -6,7 +6,9 @@
 
 #![no_main]
 
-use idempotency_filter::config::{self, Config, FailureMode, StoreSecret, Subject};
+use idempotency_filter::config::{
+    self, Config, FailureMode, Inbox, MessageIdSource, MissingId, Mode, StoreSecret, Subject,
+};
 use idempotency_filter::headers;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
@@ -75,6 +77,21 @@ fn check(c: &Config) {
             "{shown}"
         );
     }
+    if let Mode::Inbox(Inbox { message_id, duplicate_status, .. }) = &c.mode {
+        assert!(!c.require_key, "require_key has no effect in inbox mode");
+        assert_eq!(c.subject, Subject::ClientIp, "inbox mode scopes by the message");
+        match message_id {
+            MessageIdSource::CloudEvents => {}
+            MessageIdSource::Header(h) => assert!(headers::is_valid_name(h), "{h:?}"),
+            MessageIdSource::JsonPointer(p) => assert!(p.starts_with('/'), "{p:?}"),
+        }
+        if let Some(s) = duplicate_status {
+            assert!(config::DUPLICATE_STATUS.contains(&u64::from(*s)), "{s}");
+        }
+        if c.store_key_header.is_some() && !c.pause_on_headers {
+            assert!(!message_id.may_need_body(), "a body id cannot set a header that has gone on");
+        }
+    }
     match &c.subject {
         Subject::ClientIp => {}
         Subject::Header(h) => assert!(headers::is_valid_name(h), "{h:?}"),
@@ -110,13 +127,34 @@ fn to_json(c: &Config) -> Value {
         pause_on_headers,
         record_cache_entries,
         record_cache_bytes,
+        mode,
     } = c;
     let subject = match subject {
         Subject::ClientIp => Value::Null,
         Subject::Header(h) => json!({ "header": h }),
         Subject::Metadata { filter, path } => json!({ "metadata": { "filter": filter, "path": path } }),
     };
-    json!({
+    let (mode, inbox) = match mode {
+        Mode::IdempotencyKey => ("idempotency_key", None),
+        Mode::Inbox(Inbox { message_id, missing_id, duplicate_status }) => {
+            let message_id = match message_id {
+                MessageIdSource::CloudEvents => json!("cloudevents"),
+                MessageIdSource::Header(h) => json!({ "header": h }),
+                MessageIdSource::JsonPointer(p) => json!({ "json_pointer": p }),
+            };
+            let missing_id = match missing_id {
+                MissingId::Reject => "reject",
+                MissingId::Pass => "pass",
+            };
+            let inbox = json!({
+                "message_id": message_id,
+                "missing_id": missing_id,
+                "duplicate_status": duplicate_status,
+            });
+            ("inbox", Some(inbox))
+        }
+    };
+    let mut out = json!({
         "store_cluster": store_cluster,
         "store_timeout_ms": store_timeout_ms,
         "retention_seconds": retention_seconds,
@@ -138,5 +176,10 @@ fn to_json(c: &Config) -> Value {
         "pause_on_headers": pause_on_headers,
         "record_cache_entries": record_cache_entries,
         "record_cache_bytes": record_cache_bytes,
-    })
+        "mode": mode,
+    });
+    if let Some(inbox) = inbox {
+        out["inbox"] = inbox;
+    }
+    out
 }

@@ -38,6 +38,9 @@ struct Knobs {
     replay_headers: u8,
     /// 0: client IP, 1: a header, 2: JWT metadata.
     subject: u8,
+    /// Inbox mode: 0 off (most inputs), 1 CloudEvents, 2 a header, 3 a JSON pointer; bit 2:
+    /// `missing_id: pass`; bit 3: `duplicate_status: 200`.
+    inbox: u8,
 }
 
 impl Knobs {
@@ -74,6 +77,23 @@ impl Knobs {
             }
             _ => {}
         }
+        if self.inbox % 4 != 0 {
+            let message_id = match self.inbox % 4 {
+                1 => serde_json::json!("cloudevents"),
+                2 => serde_json::json!({"header": "x-message-id"}),
+                _ => serde_json::json!({"json_pointer": "/message/messageId"}),
+            };
+            let mut inbox = serde_json::json!({"message_id": message_id});
+            if self.inbox & 4 != 0 {
+                inbox["missing_id"] = "pass".into();
+            }
+            if self.inbox & 8 != 0 {
+                inbox["duplicate_status"] = 200.into();
+            }
+            json["mode"] = "inbox".into();
+            json["inbox"] = inbox;
+        }
+        // Inbox mode refuses some combinations (require_key, subject): those inputs are skipped.
         Config::from_json(json.to_string().as_bytes()).ok()
     }
 }
@@ -107,6 +127,11 @@ struct Request {
     user: Option<Bytes>,
     jwt_sub: Option<Bytes>,
     forged_store_key: bool,
+    /// Inbox mode's sources: `ce-id`, `ce-source`, `x-message-id`, a content type.
+    ce_id: Option<Bytes>,
+    ce_source: Option<Bytes>,
+    message_id: Option<Bytes>,
+    content_type: Option<ContentType>,
     other: Vec<(Name, Bytes)>,
     body: Bytes,
 }
@@ -143,6 +168,16 @@ impl Request {
         }
         if self.forged_store_key {
             v.request.push(("x-store-key".into(), b"forged".to_vec()));
+        }
+        for (name, value) in
+            [("ce-id", &self.ce_id), ("ce-source", &self.ce_source), ("x-message-id", &self.message_id)]
+        {
+            if let Some(value) = value {
+                v.request.push((name.into(), value.to_vec()));
+            }
+        }
+        if let Some(ct) = &self.content_type {
+            v.request.push(("content-type".into(), ct.request_value()));
         }
         for (n, val) in self.other.iter().take(8) {
             v.request.push((n.name(), val.to_vec()));
@@ -202,6 +237,18 @@ enum ContentType {
     ProblemJson,
     Text,
     Raw(Bytes),
+}
+
+impl ContentType {
+    /// As a request's content type: the JSON ones stand for structured and batched CloudEvents.
+    fn request_value(&self) -> Vec<u8> {
+        match self {
+            ContentType::Json => b"application/cloudevents+json; charset=utf-8".to_vec(),
+            ContentType::ProblemJson => b"application/cloudevents-batch+json".to_vec(),
+            ContentType::Text => b"application/json".to_vec(),
+            ContentType::Raw(b) => b.to_vec(),
+        }
+    }
 }
 
 #[derive(Arbitrary, Debug)]
