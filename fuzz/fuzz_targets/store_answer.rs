@@ -5,7 +5,10 @@
 //!   timeout; any other non-200 status is `Status(that status)`;
 //! * an outcome is only ever read from a `200` whose first outcome header is its wire name;
 //! * a `locked` answer carries the first token header, and that token is well formed;
-//! * a replay is exactly the record the body decodes to.
+//! * a replay is exactly the record the body decodes to;
+//! * a record's lifetime (`x-idem-ttl-ms`, for the filter's cache) is read from the first such
+//!   header when it is a decimal in 1 ..= the longest retention, and is otherwise absent: never
+//!   a fault, never zero, never longer than any record can live.
 
 #![no_main]
 
@@ -35,6 +38,8 @@ enum Header {
     RawOutcome(Vec<u8>),
     Token(Bytes),
     GoodToken(u8, u8),
+    Ttl(Bytes),
+    GoodTtl(u64),
     Other(Name, Bytes),
 }
 
@@ -71,9 +76,13 @@ fn header_pair(h: &Header) -> (String, Vec<u8>) {
             let c = alphabet[usize::from(*c) % alphabet.len()];
             (proto::HEADER_TOKEN.into(), vec![c; usize::from(*n % 70) + 1])
         }
+        Header::Ttl(b) => (proto::HEADER_TTL_MS.into(), b.to_vec()),
+        Header::GoodTtl(n) => (proto::HEADER_TTL_MS.into(), (n % (MAX_TTL_MS + 2)).to_string().into_bytes()),
         Header::Other(n, v) => (n.name(), v.to_vec()),
     }
 }
+
+const MAX_TTL_MS: u64 = proto::MAX_RETENTION_S * 1000;
 
 fn first<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a [u8]> {
     headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
@@ -86,6 +95,13 @@ fuzz_target!(|input: Input| {
         Body::Raw(b) => b.to_vec(),
     };
     let answer = Answer { headers: &headers, body: &body };
+    let ttl = answer.record_ttl_ms();
+    assert!(ttl.is_none_or(|ms| (1..=MAX_TTL_MS).contains(&ms)), "{ttl:?}");
+    let canonical = first(&headers, proto::HEADER_TTL_MS)
+        .filter(|v| !v.is_empty() && v.len() <= 20 && v.iter().all(u8::is_ascii_digit))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
+        .filter(|ms| (1..=MAX_TTL_MS).contains(ms));
+    assert_eq!(ttl, canonical);
     let begin = answer.begin();
     let commit = answer.commit();
     let release = answer.release();
