@@ -293,7 +293,8 @@ fn on_callout_answer(shared: &SharedRef, token: u32, headers: Vec<(String, Vec<u
     };
     let outcome = match &job.call {
         Call::Store(c) => {
-            record_latency(shared, c.kind(), job.sent);
+            let now = hostcalls::get_current_time().ok();
+            record_latency(shared, c.kind(), job.sent, now);
             let answer = Answer { headers: &headers, body: &body };
             match c.kind() {
                 CallKind::Begin => {
@@ -301,7 +302,7 @@ fn on_callout_answer(shared: &SharedRef, token: u32, headers: Vec<(String, Vec<u
                     if let (StoreCall::Begin { key, body_hash }, Ok(BeginAnswer::Replay(record))) =
                         (c, &begun)
                     {
-                        remember(shared, key, body_hash, record, answer.record_ttl_ms(), job.sent);
+                        remember(shared, key, body_hash, record, answer.record_ttl_ms(), job.sent, now);
                     }
                     Answered::Begin(begun)
                 }
@@ -328,8 +329,9 @@ fn remember(
     record: &crate::record::Record,
     ttl_ms: Option<u64>,
     sent: Option<std::time::SystemTime>,
+    now: Option<std::time::SystemTime>,
 ) {
-    let (Some(ttl_ms), Some(sent), Ok(now)) = (ttl_ms, sent, hostcalls::get_current_time()) else { return };
+    let (Some(ttl_ms), Some(sent), Some(now)) = (ttl_ms, sent, now) else { return };
     if let Ok(mut s) = shared.try_borrow_mut() {
         s.recent.remember(key, body_hash, record, epoch_ms(sent).saturating_add(ttl_ms), epoch_ms(now));
     }
@@ -349,8 +351,13 @@ fn cached_begin(shared: &SharedRef, key: &str, body_hash: &str) -> Option<BeginA
     }
 }
 
-fn record_latency(shared: &SharedRef, kind: CallKind, sent: Option<std::time::SystemTime>) {
-    let (Some(sent), Ok(now)) = (sent, hostcalls::get_current_time()) else { return };
+fn record_latency(
+    shared: &SharedRef,
+    kind: CallKind,
+    sent: Option<std::time::SystemTime>,
+    now: Option<std::time::SystemTime>,
+) {
+    let (Some(sent), Some(now)) = (sent, now) else { return };
     let micros = now.duration_since(sent).map(|d| d.as_micros()).unwrap_or(0);
     let id = shared.try_borrow().ok().and_then(|s| {
         STORE_LATENCY.iter().position(|(k, _)| *k == kind).and_then(|i| s.latency.get(i).copied())
