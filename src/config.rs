@@ -7,6 +7,7 @@ use std::fmt;
 use std::ops::RangeInclusive;
 
 use crate::headers;
+use crate::keep::{MediaPattern, StatusSet};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FailureMode {
@@ -95,6 +96,27 @@ pub enum MissingId {
 
 pub const DUPLICATE_STATUS: RangeInclusive<u64> = 200..=299;
 
+/// `fingerprint_json`: the request body is compared as JSON (see
+/// [`crate::fingerprint::json_body_hash`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonPrint {
+    /// Member order does not count (insignificant whitespace never does).
+    pub canonical: bool,
+    /// RFC 6901 pointers to members left out of the comparison (e.g. a timestamp the client
+    /// sets on every attempt).
+    pub ignore: Vec<String>,
+}
+
+/// `record_too_large`: what becomes of a kept answer whose body is over `max_record_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TooLarge {
+    /// Recorded without its body: retries get the status and headers, and an empty body
+    /// marked by `body_omitted_header`; the upstream runs once.
+    OmitBody,
+    /// Not recorded: the lock is given back and the next retry runs again.
+    Release,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     pub store_cluster: String,
@@ -130,6 +152,17 @@ pub struct Config {
     pub record_cache_bytes: usize,
     /// `idempotency_key` (default) or `inbox`.
     pub mode: Mode,
+    /// Request headers whose values a retry must repeat (besides the target and the body).
+    pub fingerprint_headers: Vec<String>,
+    /// Compare request bodies as JSON (absent: as raw bytes).
+    pub fingerprint_json: Option<JsonPrint>,
+    /// Statuses whose answers are recorded (default `2xx`).
+    pub store_statuses: StatusSet,
+    /// Content types whose answers are recorded (absent: all but streams).
+    pub store_content_types: Option<Vec<MediaPattern>>,
+    pub record_too_large: TooLarge,
+    /// Header added to the replay of an answer recorded without its body.
+    pub body_omitted_header: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,12 +188,14 @@ fn err(key: &str, message: impl Into<String>) -> ConfigError {
 pub const RETENTION_SECONDS: RangeInclusive<u64> = 1..=idem_protocol::MAX_RETENTION_S;
 pub const STORE_TIMEOUT_MS: RangeInclusive<u64> = 1..=60_000;
 pub const LOCK_TTL_MS: RangeInclusive<u64> = 100..=idem_protocol::MAX_LOCK_TTL_MS;
-pub const LOCK_WAIT_MS: RangeInclusive<u64> = 1..=idem_protocol::MAX_WAIT_MS;
+pub const LOCK_WAIT_MS: RangeInclusive<u64> = 0..=idem_protocol::MAX_WAIT_MS;
 pub const MAX_KEY_LENGTH: RangeInclusive<u64> = 1..=4096;
 pub const MAX_BODY_BYTES: RangeInclusive<u64> = 0..=64 * 1024 * 1024;
 pub const MAX_RECORD_BYTES: RangeInclusive<u64> = 0..=8 * 1024 * 1024;
 pub const RECORD_CACHE_ENTRIES: RangeInclusive<u64> = 0..=100_000;
 pub const RECORD_CACHE_BYTES: RangeInclusive<u64> = 0..=256 * 1024 * 1024;
+/// At most this many `fingerprint_headers` (each costs a digest in every record).
+pub const MAX_FINGERPRINT_HEADERS: usize = 32;
 
 impl Config {
     /// Parses and validates; `store_secret_env` is read from the process environment, which
@@ -250,7 +285,63 @@ impl Config {
             number(take("record_cache_bytes"), "record_cache_bytes", RECORD_CACHE_BYTES, 4 * 1024 * 1024)?
                 as usize;
         let mode = mode(take("mode"), take("inbox"))?;
+        let fingerprint_headers = match take("fingerprint_headers") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v) => fingerprint_headers(v)?,
+        };
+        let fingerprint_json = match take("fingerprint_json") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(fingerprint_json(v)?),
+        };
+        let store_statuses = match take("store_statuses") {
+            None => StatusSet::default(),
+            Some(v) => store_statuses(v)?,
+        };
+        let store_content_types = match take("store_content_types") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(store_content_types(v)?),
+        };
+        let record_too_large = match take("record_too_large") {
+            None => TooLarge::OmitBody,
+            Some(Value::String(s)) if s == "omit_body" => TooLarge::OmitBody,
+            Some(Value::String(s)) if s == "release" => TooLarge::Release,
+            Some(_) => return Err(err("record_too_large", "must be \"omit_body\" or \"release\"")),
+        };
+        let body_omitted_header = match take("body_omitted_header") {
+            None => "x-idempotent-body-omitted".to_string(),
+            Some(v) => header_name("body_omitted_header", v)?,
+        };
+        for (key, name) in [("replay_header", &replay_header), ("body_omitted_header", &body_omitted_header)]
+        {
+            if headers::is_never_replayed(name) || headers::is_representation(name) {
+                return Err(err(key, format!("must not be {name:?}: the filter sets it on replays")));
+            }
+        }
+        if body_omitted_header == replay_header {
+            return Err(err("body_omitted_header", "must differ from `replay_header`"));
+        }
         if let Mode::Inbox(inbox) = &mode {
+            // The message id is the identity: a redelivery may differ in anything else.
+            for (key, set) in [
+                ("fingerprint_headers", !fingerprint_headers.is_empty()),
+                ("fingerprint_json", fingerprint_json.is_some()),
+            ] {
+                if set {
+                    return Err(err(key, "is not used in inbox mode (the message id is the identity)"));
+                }
+            }
+            for (key, set) in [
+                ("store_statuses", store_statuses != StatusSet::default()),
+                ("record_too_large", record_too_large != TooLarge::OmitBody),
+            ] {
+                if set {
+                    return Err(err(
+                        key,
+                        "is not used in inbox mode (any 2xx marks a message handled, as its status \
+                         alone when the answer cannot be kept)",
+                    ));
+                }
+            }
             // In inbox mode the message scopes the record, not the caller: a broker delivers
             // from many addresses, and the Idempotency-Key header is not read at all.
             if require_key {
@@ -297,6 +388,12 @@ impl Config {
             record_cache_entries,
             record_cache_bytes,
             mode,
+            fingerprint_headers,
+            fingerprint_json,
+            store_statuses,
+            store_content_types,
+            record_too_large,
+            body_omitted_header,
         })
     }
 
@@ -389,6 +486,104 @@ fn replay_headers(v: Value) -> Result<Vec<String>, ConfigError> {
         names.push(name);
     }
     Ok(names)
+}
+
+fn fingerprint_headers(v: Value) -> Result<Vec<String>, ConfigError> {
+    let key = "fingerprint_headers";
+    let Value::Array(items) = v else {
+        return Err(err(key, format!("must be a list of header names, got {}", type_name(&v))));
+    };
+    if items.len() > MAX_FINGERPRINT_HEADERS {
+        return Err(err(key, format!("must name at most {MAX_FINGERPRINT_HEADERS} headers")));
+    }
+    let mut names: Vec<String> = Vec::with_capacity(items.len());
+    for item in items {
+        let name = header_name(key, item)?;
+        if name.len() > 255 {
+            return Err(err(key, "entries must be at most 255 characters"));
+        }
+        if name == "idempotency-key" {
+            return Err(err(key, "must not contain \"idempotency-key\": the key is the record's name"));
+        }
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    Ok(names)
+}
+
+fn fingerprint_json(v: Value) -> Result<JsonPrint, ConfigError> {
+    let key = "fingerprint_json";
+    let Value::Object(mut obj) = v else {
+        return Err(err(
+            key,
+            format!(
+                "must be an object like {{\"canonical\": true, \"ignore\": [\"/a\"]}}, got {}",
+                type_name(&v)
+            ),
+        ));
+    };
+    let canonical = boolean(obj.remove("canonical"), "fingerprint_json.canonical", true)?;
+    let ignore = match obj.remove("ignore") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(v) => string_list("fingerprint_json.ignore", v)?,
+    };
+    for pointer in &ignore {
+        if !pointer.starts_with('/') {
+            return Err(err(
+                "fingerprint_json.ignore",
+                format!("entries must be JSON pointers (RFC 6901) starting with \"/\", got {pointer:?}"),
+            ));
+        }
+    }
+    if let Some(unknown) = obj.keys().next() {
+        return Err(err(&format!("fingerprint_json.{unknown}"), "is not a known key"));
+    }
+    Ok(JsonPrint { canonical, ignore })
+}
+
+fn store_statuses(v: Value) -> Result<StatusSet, ConfigError> {
+    let key = "store_statuses";
+    let shape = "must be a list of status classes (\"2xx\" .. \"5xx\") and codes (200 .. 599)";
+    let Value::Array(items) = v else {
+        return Err(err(key, format!("{shape}, got {}", type_name(&v))));
+    };
+    let mut set = StatusSet::empty();
+    for item in items {
+        let entry = match item {
+            Value::String(s) => s,
+            Value::Number(n) => n.to_string(),
+            other => return Err(err(key, format!("{shape}, got {}", type_name(&other)))),
+        };
+        if !set.add(&entry) {
+            return Err(err(key, format!("{shape}, got {entry:?}")));
+        }
+    }
+    if set.is_empty() {
+        return Err(err(key, "must name at least one status or class"));
+    }
+    Ok(set)
+}
+
+fn store_content_types(v: Value) -> Result<Vec<MediaPattern>, ConfigError> {
+    let key = "store_content_types";
+    let list = string_list(key, v)?;
+    if list.is_empty() {
+        return Err(err(key, "must name at least one media type (omit the key to keep every type)"));
+    }
+    list.iter()
+        .map(|s| {
+            MediaPattern::parse(s).ok_or_else(|| {
+                err(
+                    key,
+                    format!(
+                        "entries must be lower-case media types without parameters (\"application/json\", \
+                         \"text/*\", \"*/*\") or suffixes (\"+json\"), got {s:?}"
+                    ),
+                )
+            })
+        })
+        .collect()
 }
 
 fn subject(v: Value) -> Result<Subject, ConfigError> {
@@ -573,6 +768,40 @@ mod tests {
         assert!(parse(r#"{"store_cluster":"s","record_cache_bytes":-1}"#).is_err());
         let short_ttl = parse(r#"{"store_cluster":"s","lock_ttl_ms":5000}"#).unwrap();
         assert_eq!(short_ttl.detached_timeout_ms, 5_000, "the default is bounded by the TTL");
+        assert!(c.fingerprint_headers.is_empty());
+        assert_eq!(c.fingerprint_json, None);
+        assert_eq!(c.store_statuses.entries(), ["2xx"]);
+        assert_eq!(c.store_content_types, None);
+        assert_eq!(c.record_too_large, TooLarge::OmitBody);
+        assert_eq!(c.body_omitted_header, "x-idempotent-body-omitted");
+        assert_eq!(parse(r#"{"store_cluster":"s","lock_wait_ms":0}"#).unwrap().lock_wait_ms, 0);
+    }
+
+    #[test]
+    fn record_and_fingerprint_keys() {
+        let c = parse(
+            r#"{"store_cluster":"s","fingerprint_headers":["x-tenant","content-type","x-tenant"],
+                "fingerprint_json":{"canonical":false,"ignore":["/client_sent_at","/a~1b/0"]},
+                "store_statuses":["2xx",404,"409","5XX"],
+                "store_content_types":["application/json","+json","text/*","*/*"],
+                "record_too_large":"release","body_omitted_header":"x-body-omitted"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.fingerprint_headers, ["x-tenant", "content-type"], "a repeated name counts once");
+        assert_eq!(
+            c.fingerprint_json,
+            Some(JsonPrint { canonical: false, ignore: vec!["/client_sent_at".into(), "/a~1b/0".into()] })
+        );
+        assert_eq!(c.store_statuses.entries(), ["2xx", "5xx", "404", "409"]);
+        let types: Vec<String> = c.store_content_types.unwrap().iter().map(|p| p.to_string()).collect();
+        assert_eq!(types, ["application/json", "+json", "text/*", "*/*"]);
+        assert_eq!(c.record_too_large, TooLarge::Release);
+        assert_eq!(c.body_omitted_header, "x-body-omitted");
+        let j = parse(r#"{"store_cluster":"s","fingerprint_json":{}}"#).unwrap();
+        assert_eq!(j.fingerprint_json, Some(JsonPrint { canonical: true, ignore: vec![] }));
+        let nulls =
+            parse(r#"{"store_cluster":"s","fingerprint_json":null,"store_content_types":null}"#).unwrap();
+        assert_eq!((nulls.fingerprint_json, nulls.store_content_types), (None, None));
     }
 
     #[test]
@@ -641,6 +870,32 @@ mod tests {
             (r#"{"store_cluster":"s","detached_execution":1}"#, "detached_execution"),
             (r#"{"store_cluster":"s","store_key_header":"idempotency-key"}"#, "store_key_header"),
             (r#"{"store_cluster":"s","store_key_header":"X-Key"}"#, "store_key_header"),
+            (r#"{"store_cluster":"s","lock_wait_ms":-1}"#, "lock_wait_ms"),
+            (r#"{"store_cluster":"s","fingerprint_headers":"x-tenant"}"#, "fingerprint_headers"),
+            (r#"{"store_cluster":"s","fingerprint_headers":["X-Tenant"]}"#, "fingerprint_headers"),
+            (r#"{"store_cluster":"s","fingerprint_headers":[":path"]}"#, "fingerprint_headers"),
+            (r#"{"store_cluster":"s","fingerprint_headers":["idempotency-key"]}"#, "fingerprint_headers"),
+            (r#"{"store_cluster":"s","fingerprint_json":true}"#, "fingerprint_json"),
+            (r#"{"store_cluster":"s","fingerprint_json":{"canonical":"yes"}}"#, "fingerprint_json.canonical"),
+            (r#"{"store_cluster":"s","fingerprint_json":{"ignore":["a"]}}"#, "fingerprint_json.ignore"),
+            (r#"{"store_cluster":"s","fingerprint_json":{"ignore":"/a"}}"#, "fingerprint_json.ignore"),
+            (r#"{"store_cluster":"s","fingerprint_json":{"sort":true}}"#, "fingerprint_json.sort"),
+            (r#"{"store_cluster":"s","store_statuses":[]}"#, "store_statuses"),
+            (r#"{"store_cluster":"s","store_statuses":"2xx"}"#, "store_statuses"),
+            (r#"{"store_cluster":"s","store_statuses":["1xx"]}"#, "store_statuses"),
+            (r#"{"store_cluster":"s","store_statuses":[600]}"#, "store_statuses"),
+            (r#"{"store_cluster":"s","store_statuses":["2xx",true]}"#, "store_statuses"),
+            (r#"{"store_cluster":"s","store_content_types":[]}"#, "store_content_types"),
+            (r#"{"store_cluster":"s","store_content_types":["json"]}"#, "store_content_types"),
+            (r#"{"store_cluster":"s","store_content_types":["Application/JSON"]}"#, "store_content_types"),
+            (
+                r#"{"store_cluster":"s","store_content_types":["text/plain; charset=utf-8"]}"#,
+                "store_content_types",
+            ),
+            (r#"{"store_cluster":"s","record_too_large":"truncate"}"#, "record_too_large"),
+            (r#"{"store_cluster":"s","body_omitted_header":"x-idempotent-replay"}"#, "body_omitted_header"),
+            (r#"{"store_cluster":"s","body_omitted_header":"content-encoding"}"#, "body_omitted_header"),
+            (r#"{"store_cluster":"s","replay_header":"content-type"}"#, "replay_header"),
         ];
         for (json, key) in cases {
             let e = parse(json).unwrap_err();
@@ -733,6 +988,10 @@ mod tests {
                 r#"{"store_cluster":"s","mode":"inbox","pause_on_headers":false,"store_key_header":"x-k"}"#,
                 "store_key_header",
             ),
+            (r#"{"store_cluster":"s","mode":"inbox","fingerprint_headers":["x-t"]}"#, "fingerprint_headers"),
+            (r#"{"store_cluster":"s","mode":"inbox","fingerprint_json":{}}"#, "fingerprint_json"),
+            (r#"{"store_cluster":"s","mode":"inbox","store_statuses":["4xx"]}"#, "store_statuses"),
+            (r#"{"store_cluster":"s","mode":"inbox","record_too_large":"release"}"#, "record_too_large"),
         ];
         for (json, key) in cases {
             let e = parse(json).unwrap_err();

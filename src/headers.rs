@@ -47,6 +47,61 @@ pub fn is_never_replayed(name: &str) -> bool {
     )
 }
 
+/// Headers that say how a response's bytes are read. Every record keeps them, whatever
+/// `replay_headers` says: gzip bytes replayed without their `content-encoding` are garbage.
+pub const REPRESENTATION: [&str; 3] = ["content-type", "content-encoding", "content-range"];
+
+pub fn is_representation(name: &str) -> bool {
+    REPRESENTATION.contains(&name)
+}
+
+/// The first content coding of a response's `content-encoding` that a request's
+/// `accept-encoding` values do not accept, if any (`identity` is always accepted).
+///
+/// A request without `accept-encoding` accepts no coding here: RFC 9110 would let a server send
+/// any, but a client that sends none (curl without `--compressed`, most simple clients) cannot
+/// decode one, and the upstream or Envoy's compressor would have answered it uncoded. A coding
+/// is accepted when listed (`x-gzip` is `gzip`) or covered by `*`, with a weight above 0.
+pub fn refused_coding(accept: &[Vec<u8>], content_encoding: &[u8]) -> Option<String> {
+    let offers: Vec<(String, bool)> = accept
+        .iter()
+        .flat_map(|v| v.split(|&b| b == b','))
+        .filter_map(|item| {
+            let item = String::from_utf8_lossy(item);
+            let mut parts = item.split(';');
+            let coding = canonical_coding(parts.next()?.trim());
+            if coding.is_empty() {
+                return None;
+            }
+            let refused = parts.any(|p| {
+                p.trim()
+                    .strip_prefix("q=")
+                    .or_else(|| p.trim().strip_prefix("Q="))
+                    .is_some_and(|q| q.trim().parse::<f32>().is_ok_and(|w| w <= 0.0))
+            });
+            Some((coding, !refused))
+        })
+        .collect();
+    let accepted = |coding: &str| match offers.iter().find(|(c, _)| c == coding) {
+        Some((_, ok)) => *ok,
+        None => offers.iter().any(|(c, ok)| c == "*" && *ok),
+    };
+    String::from_utf8_lossy(content_encoding)
+        .split(',')
+        .map(|c| canonical_coding(c.trim()))
+        .filter(|c| !c.is_empty() && c != "identity")
+        .find(|c| !accepted(c))
+}
+
+fn canonical_coding(token: &str) -> String {
+    let lower = token.to_ascii_lowercase();
+    match lower.as_str() {
+        "x-gzip" => "gzip".into(),
+        "x-compress" => "compress".into(),
+        _ => lower,
+    }
+}
+
 /// A header value Envoy will accept back in a local reply: visible ASCII, space and tab.
 pub fn is_valid_value(value: &[u8]) -> bool {
     value.iter().all(|&b| b == b'\t' || (0x20..0x7f).contains(&b))
@@ -91,6 +146,31 @@ mod tests {
         assert!(!is_json_content_type(b"text/json"));
         assert!(!is_json_content_type(b"\xff"));
         assert!(!is_json_content_type(b""));
+    }
+
+    #[test]
+    fn accepted_codings() {
+        let refused = |accept: &[&str], ce: &str| {
+            let accept: Vec<Vec<u8>> = accept.iter().map(|a| a.as_bytes().to_vec()).collect();
+            refused_coding(&accept, ce.as_bytes())
+        };
+        assert_eq!(refused(&["gzip, deflate"], "gzip"), None);
+        assert_eq!(refused(&["GZIP"], "gzip"), None);
+        assert_eq!(refused(&["x-gzip"], "gzip"), None);
+        assert_eq!(refused(&["gzip"], "x-gzip"), None);
+        assert_eq!(refused(&["br;q=1.0, gzip;q=0.8"], "gzip"), None);
+        assert_eq!(refused(&["*"], "br"), None);
+        assert_eq!(refused(&["br", "gzip"], "gzip, br"), None, "every header value counts");
+        assert_eq!(refused(&[], "gzip"), Some("gzip".into()), "no accept-encoding: no coding");
+        assert_eq!(refused(&[""], "gzip"), Some("gzip".into()));
+        assert_eq!(refused(&["identity"], "gzip"), Some("gzip".into()));
+        assert_eq!(refused(&["br"], "gzip"), Some("gzip".into()));
+        assert_eq!(refused(&["gzip;q=0"], "gzip"), Some("gzip".into()));
+        assert_eq!(refused(&["gzip;q=0.000, *"], "gzip"), Some("gzip".into()), "listed beats *");
+        assert_eq!(refused(&["*;q=0"], "br"), Some("br".into()));
+        assert_eq!(refused(&["gzip"], "gzip, br"), Some("br".into()));
+        assert_eq!(refused(&[], "identity"), None);
+        assert_eq!(refused(&[], ""), None);
     }
 
     #[test]

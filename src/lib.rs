@@ -6,14 +6,17 @@
 
 pub mod config;
 pub mod detached;
+pub mod fingerprint;
 pub mod headers;
 pub mod inbox;
+pub mod keep;
 pub mod key;
 pub mod machine;
 pub mod metrics;
 pub mod problem;
 pub mod recent;
 pub mod record;
+pub mod replay;
 pub mod sim;
 pub mod store;
 

@@ -6,13 +6,18 @@
 //! Start ──not guarded / no key──────────────────────────────────────────▶ Done
 //!   │ key ok                      bad key / too large ─▶ 400 / 413 ─────▶ Done
 //!   ▼
-//! Hashing ──end of body──▶ Beginning ──record──▶ replay ────────────────▶ Done
+//! Hashing ──end of body──▶ Beginning ──record──▶ replay (or 422 / 406) ──▶ Done
 //!                            │  │ └─mismatch / busy / fault──▶ 422 / 409 / open or 503
 //!                            │  └─stream gone─▶ Orphaned ──locked──▶ release
 //!                            ▼ locked
-//!                          Executing ──2xx JSON or empty──▶ Capturing ──end──▶ commit
-//!                              └──other response / reset / client gone──────▶ release
+//!                          Executing ──kept (see `keep`)──▶ Capturing ──end──▶ commit
+//!                            │ └──not kept / reset / client gone───────────▶ release
+//!                            └─detached_execution─▶ Detached ──answer──▶ commit or release
 //! ```
+//!
+//! The body hash `begin` carries is the body's fingerprint; the rest of the request's (target,
+//! fingerprinted headers) is computed on the headers and written into the record, and a record
+//! made for another request is answered `422` instead of replayed (see `fingerprint`).
 //!
 //! Inbox mode (`"mode": "inbox"`) keys the same flow by the message id instead of an
 //! `Idempotency-Key`: read at headers (`ce-id` + `ce-source`, a header), or, when it is in the body
@@ -26,12 +31,15 @@ use std::rc::Rc;
 
 use crate::config::{Config, FailureMode, MissingId, Subject};
 use crate::detached::{self, UpstreamAnswer, UpstreamCall};
+use crate::fingerprint::{self, RequestPrint};
 use crate::headers;
 use crate::inbox::{self, IdError, Lookup, MessageId};
+use crate::keep::{self, Head, Keep};
 use crate::key;
 use crate::metrics::Metric;
 use crate::problem::{self, LocalResponse};
 use crate::record::{self, Record};
+use crate::replay;
 use crate::store::{BeginAnswer, StoreCall, StoreFault};
 
 /// What the machine may read from the host, lazily: a request that is not guarded costs one
@@ -96,8 +104,21 @@ struct Capture {
     status: u16,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
-    /// No content type: storable only if the body turns out empty.
-    untyped: bool,
+    /// Too large: recorded without its body.
+    omitted: bool,
+    /// No content type while `store_content_types` is set: kept only if the body is empty.
+    needs_empty: bool,
+}
+
+/// How the request body becomes the body hash `begin` carries.
+#[derive(Debug)]
+enum BodyDigest {
+    /// SHA-256 of the raw bytes, as they arrive.
+    Raw(Sha256),
+    /// `fingerprint_json`: the whole body, hashed at its end.
+    Json(Vec<u8>),
+    /// Inbox mode: the message id is the identity; the body is not hashed.
+    Constant,
 }
 
 #[derive(Debug)]
@@ -111,7 +132,7 @@ enum State {
     },
     Hashing {
         key: String,
-        hasher: Sha256,
+        digest: BodyDigest,
         seen: usize,
     },
     Beginning {
@@ -156,11 +177,16 @@ pub struct Stream {
     cfg: Rc<Config>,
     state: State,
     detach: Option<Detach>,
+    /// The request's target and fingerprinted headers: written into its record, and compared
+    /// with a record's before that is replayed. `None` in inbox mode.
+    print: Option<RequestPrint>,
+    /// The request's `accept-encoding` values: a replay is never sent in a coding they refuse.
+    accept_encoding: Vec<Vec<u8>>,
 }
 
 impl Stream {
     pub fn new(cfg: Rc<Config>) -> Stream {
-        Stream { cfg, state: State::Start, detach: None }
+        Stream { cfg, state: State::Start, detach: None, print: None, accept_encoding: Vec::new() }
     }
 
     /// The store key, once derived: for log lines (a prefix of it, never the client's key).
@@ -230,6 +256,9 @@ impl Stream {
         let subject = self.subject(view);
         let route = route(view);
         let key = key::store_key(&subject, &method, &route, &client_key);
+        let path = first(view.request_header(":path")).unwrap_or_default();
+        let header = |name: &str| view.request_header(name);
+        self.print = Some(RequestPrint::of(method.as_bytes(), &path, &self.cfg.fingerprint_headers, &header));
         self.guard(view, key, effects, end_of_stream)
     }
 
@@ -248,7 +277,13 @@ impl Stream {
         if self.cfg.detached_execution {
             self.detach = self.capture_for_detach(view, Some(&key));
         }
-        self.state = State::Hashing { key, hasher: Sha256::new(), seen: 0 };
+        self.accept_encoding = view.request_header("accept-encoding");
+        let digest = match (&self.cfg.fingerprint_json, self.cfg.inbox()) {
+            (_, Some(_)) => BodyDigest::Constant,
+            (Some(_), None) => BodyDigest::Json(Vec::new()),
+            (None, None) => BodyDigest::Raw(Sha256::new()),
+        };
+        self.state = State::Hashing { key, digest, seen: 0 };
         if end_of_stream {
             // Without a body there is nothing Envoy must deliver while the request waits, so a
             // stop on headers works with or without `allow_on_headers_stop_iteration`.
@@ -298,6 +333,8 @@ impl Stream {
                 if self.cfg.detached_execution {
                     self.detach = self.capture_for_detach(view, None);
                 }
+                // Read now: the request headers may be gone by the time the id is.
+                self.accept_encoding = view.request_header("accept-encoding");
                 self.state = State::Reading { method, route: route(view), body: Vec::new() };
                 if end_of_stream {
                     let mut step = self.finish_reading();
@@ -346,15 +383,14 @@ impl Stream {
                 detached::set_header(&mut d.headers, name, &key);
             }
         }
-        self.state = State::Hashing { key, hasher: Sha256::new(), seen: body.len() };
+        self.state = State::Hashing { key, digest: BodyDigest::Constant, seen: body.len() };
         effects.extend(self.begin());
         Step::pause(effects)
     }
 
     pub fn on_request_body(&mut self, view: &dyn StreamView, buffered: usize, end_of_stream: bool) -> Step {
-        let inbox = self.cfg.inbox().is_some();
-        let (hasher, seen, kept) = match &mut self.state {
-            State::Hashing { hasher, seen, .. } => (Some(hasher), *seen, None),
+        let (digest, seen, kept) = match &mut self.state {
+            State::Hashing { digest, seen, .. } => (Some(digest), *seen, None),
             State::Reading { body, .. } => (None, body.len(), Some(body)),
             _ => return Step::go(vec![]),
         };
@@ -366,13 +402,15 @@ impl Stream {
         if buffered > seen {
             // Envoy hands us the whole buffered body each time: read only what is new, and only
             // when something needs it (inbox mode hashes nothing).
-            let hashing = hasher.is_some() && !inbox;
+            let hashing = matches!(digest, Some(BodyDigest::Raw(_) | BodyDigest::Json(_)));
             if hashing || kept.is_some() || self.detach.is_some() {
                 let Some(chunk) = view.request_body(seen, buffered - seen) else {
                     return Step::pause(self.fault(StoreFault::Dispatch));
                 };
-                if let (Some(h), true) = (hasher, hashing) {
-                    h.update(&chunk);
+                match digest {
+                    Some(BodyDigest::Raw(h)) => h.update(&chunk),
+                    Some(BodyDigest::Json(body)) => body.extend_from_slice(&chunk),
+                    _ => {}
                 }
                 if let Some(body) = kept {
                     body.extend_from_slice(&chunk);
@@ -411,11 +449,15 @@ impl Stream {
 
     fn begin(&mut self) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
-            State::Hashing { key, hasher, .. } => {
-                let body_hash = match self.cfg.inbox() {
+            State::Hashing { key, digest, .. } => {
+                let body_hash = match digest {
+                    BodyDigest::Raw(hasher) => key::hex(&hasher.finalize()),
+                    BodyDigest::Json(body) => match &self.cfg.fingerprint_json {
+                        Some(opts) => key::hex(&fingerprint::json_body_hash(&body, opts)),
+                        None => key::hex(&Sha256::digest(&body)),
+                    },
                     // The id is the identity: a redelivery may differ in its body.
-                    Some(_) => inbox_body_hash(),
-                    None => key::hex(&hasher.finalize()),
+                    BodyDigest::Constant => INBOX_BODY_HASH.to_string(),
                 };
                 let call = StoreCall::Begin { key: key.clone(), body_hash: body_hash.clone() };
                 self.state = State::Beginning { key, body_hash };
@@ -432,15 +474,20 @@ impl Stream {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Beginning { key, body_hash } => match answer {
                 Ok(BeginAnswer::Replay(record)) => {
-                    vec![Effect::Respond(self.replay(record)), Effect::Count(Metric::Replayed)]
+                    let (answer, metric) =
+                        replay::answer(&self.cfg, record, self.print.as_ref(), &self.accept_encoding);
+                    vec![Effect::Respond(answer), Effect::Count(metric)]
                 }
-                Ok(BeginAnswer::Mismatch) => {
-                    vec![Effect::Respond(problem::key_reused()), Effect::Count(Metric::Mismatched)]
-                }
-                Ok(BeginAnswer::Busy) => {
+                Ok(BeginAnswer::Mismatch) => vec![
+                    Effect::Respond(problem::key_reused(&fingerprint::Differs::Body)),
+                    Effect::Count(Metric::Mismatched),
+                ],
+                Ok(BeginAnswer::Busy { lock_ms }) => {
+                    // What the store says is left of the holder's lock; never beyond its TTL.
+                    let left = lock_ms.unwrap_or(1).min(self.cfg.lock_ttl_ms);
                     let problem = match self.cfg.inbox() {
-                        Some(_) => problem::message_in_flight(),
-                        None => problem::in_flight(),
+                        Some(_) => problem::message_in_flight(left),
+                        None => problem::in_flight(left),
                     };
                     vec![Effect::Respond(problem), Effect::Count(Metric::Conflicted)]
                 }
@@ -493,16 +540,6 @@ impl Stream {
         }
     }
 
-    fn replay(&self, record: Record) -> LocalResponse {
-        if let Some(status) = self.cfg.inbox().and_then(|i| i.duplicate_status) {
-            let headers = vec![(self.cfg.replay_header.clone(), "true".to_string())];
-            return LocalResponse { status: u32::from(status), headers, body: Vec::new() };
-        }
-        let mut headers = record.headers;
-        headers.push((self.cfg.replay_header.clone(), "true".to_string()));
-        LocalResponse { status: u32::from(record.status), headers, body: record.body }
-    }
-
     pub fn on_response_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Executing { key, body_hash, token } => {
@@ -510,26 +547,26 @@ impl Stream {
                     .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.parse::<u16>().ok()))
                     .unwrap_or(0);
                 let content_type = first(view.response_header("content-type"));
-                let declared = first(view.response_header("content-length"))
+                let length = first(view.response_header("content-length"))
                     .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
-                let recorded = self.allowed_headers(view);
-                let success = (200..=299).contains(&status);
-                let storable = success
-                    && content_type.as_deref().is_none_or(headers::is_json_content_type)
-                    && declared.is_none_or(|n| n <= self.cfg.max_record_bytes as u64)
-                    && record::headers_fit(&recorded);
-                if let (Some(inbox), true) = (self.cfg.inbox(), success) {
-                    // Any 2xx marks the message handled; what a record cannot hold (or what
-                    // duplicates are not answered with) is left out.
-                    if !storable || inbox.duplicate_status.is_some() {
-                        return Step::go(commit_status(key, token, body_hash, status));
+                let recorded = self.recorded_headers(|name| view.response_header(name));
+                let head = Head {
+                    status,
+                    content_type: content_type.as_deref(),
+                    length,
+                    upgrade: !view.response_header("upgrade").is_empty(),
+                    headers_fit: record::headers_fit(&recorded),
+                };
+                let keep = keep::on_head(&self.cfg, &head);
+                let needs_empty = keep::needs_empty_body(&self.cfg, &head);
+                let omitted = match keep {
+                    Keep::Full => false,
+                    Keep::WithoutBody => true,
+                    Keep::StatusOnly | Keep::Release => {
+                        return Step::go(self.settle_without_record(key, token, body_hash, status, keep))
                     }
-                }
-                if !storable {
-                    return Step::go(release(key, token));
-                }
-                let capture =
-                    Capture { status, headers: recorded, body: Vec::new(), untyped: content_type.is_none() };
+                };
+                let capture = Capture { status, headers: recorded, body: Vec::new(), omitted, needs_empty };
                 self.state = State::Capturing { key, body_hash, token, capture };
                 if end_of_stream {
                     return Step::go(self.finish_capture());
@@ -558,13 +595,26 @@ impl Stream {
         let State::Capturing { capture, .. } = &mut self.state else {
             return Step::go(vec![]);
         };
-        if chunk_len > 0 {
-            if capture.body.len() + chunk_len > self.cfg.max_record_bytes {
-                return Step::go(self.abandon_capture());
+        if chunk_len > 0 && !capture.omitted {
+            if capture.needs_empty {
+                let keep = keep::untyped_body(&self.cfg);
+                return Step::go(self.abandon_capture(keep));
             }
-            match view.response_body(0, chunk_len) {
+            let chunk = if capture.body.len() + chunk_len > self.cfg.max_record_bytes {
+                None
+            } else {
+                view.response_body(0, chunk_len)
+            };
+            match chunk {
                 Some(chunk) => capture.body.extend_from_slice(&chunk),
-                None => return Step::go(self.abandon_capture()),
+                // Too large (or unreadable): kept without the body, or not at all.
+                None => match keep::too_large(&self.cfg) {
+                    Keep::WithoutBody => {
+                        capture.omitted = true;
+                        capture.body = Vec::new();
+                    }
+                    keep => return Step::go(self.abandon_capture(keep)),
+                },
             }
         }
         if end_of_stream {
@@ -584,13 +634,13 @@ impl Stream {
     fn finish_capture(&mut self) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Capturing { key, body_hash, token, capture } => {
-                if capture.untyped && !capture.body.is_empty() {
-                    if self.cfg.inbox().is_some() {
-                        return commit_status(key, token, body_hash, capture.status);
-                    }
-                    return release(key, token);
-                }
-                let record = Record { status: capture.status, headers: capture.headers, body: capture.body };
+                let record = Record {
+                    status: capture.status,
+                    headers: capture.headers,
+                    body: capture.body,
+                    body_omitted: capture.omitted,
+                    print: self.print.clone(),
+                };
                 vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
             }
             other => {
@@ -600,16 +650,35 @@ impl Stream {
         }
     }
 
-    fn abandon_capture(&mut self) -> Vec<Effect> {
+    /// The capture cannot become a full record after all: `keep` says what instead.
+    fn abandon_capture(&mut self, keep: Keep) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
-            State::Capturing { key, body_hash, token, capture } if self.cfg.inbox().is_some() => {
-                commit_status(key, token, body_hash, capture.status)
+            State::Capturing { key, body_hash, token, capture } => {
+                self.settle_without_record(key, token, body_hash, capture.status, keep)
             }
-            State::Capturing { key, token, .. } => release(key, token),
             other => {
                 self.state = other;
                 vec![]
             }
+        }
+    }
+
+    /// Ends a lock for an answer that gets no full record: its status alone
+    /// ([`Keep::StatusOnly`]) or nothing.
+    fn settle_without_record(
+        &self,
+        key: String,
+        token: String,
+        body_hash: String,
+        status: u16,
+        keep: Keep,
+    ) -> Vec<Effect> {
+        match keep {
+            Keep::StatusOnly => {
+                let record = Record::status_only(status).encode();
+                vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record })]
+            }
+            _ => release(key, token),
         }
     }
 
@@ -657,28 +726,37 @@ impl Stream {
         if !gone {
             effects.push(Effect::Respond(answer.to_local_response()));
         }
-        let headers = self.record_headers(|name| {
+        let headers = self.recorded_headers(|name| {
             answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
         });
-        let success = (200..=299).contains(&answer.status);
-        let storable = success
-            && match answer.header("content-type") {
-                Some(ct) => headers::is_json_content_type(ct),
-                None => answer.body.is_empty(),
+        let head = Head {
+            status: answer.status,
+            content_type: answer.header("content-type"),
+            length: Some(answer.body.len() as u64),
+            upgrade: answer.header("upgrade").is_some(),
+            headers_fit: record::headers_fit(&headers),
+        };
+        let keep = match keep::on_head(&self.cfg, &head) {
+            Keep::Full if keep::needs_empty_body(&self.cfg, &head) && !answer.body.is_empty() => {
+                keep::untyped_body(&self.cfg)
             }
-            && answer.body.len() <= self.cfg.max_record_bytes
-            && record::headers_fit(&headers);
-        let status_only =
-            success && self.cfg.inbox().is_some_and(|i| !storable || i.duplicate_status.is_some());
-        if status_only {
-            effects.extend(commit_status(key, token, body_hash, answer.status));
-        } else if !storable {
-            effects.extend(release(key, token));
-            return effects;
-        } else {
-            let record = Record { status: answer.status, headers, body: answer.body };
-            effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
-        }
+            keep => keep,
+        };
+        let omitted = match keep {
+            Keep::Full => false,
+            Keep::WithoutBody => true,
+            Keep::StatusOnly | Keep::Release => {
+                effects.extend(self.settle_without_record(key, token, body_hash, answer.status, keep));
+                if gone && keep == Keep::StatusOnly {
+                    effects.push(Effect::Count(Metric::CommittedAfterGone));
+                }
+                return effects;
+            }
+        };
+        let body = if omitted { Vec::new() } else { answer.body };
+        let record =
+            Record { status: answer.status, headers, body, body_omitted: omitted, print: self.print.clone() };
+        effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
         if gone {
             effects.push(Effect::Count(Metric::CommittedAfterGone));
         }
@@ -734,19 +812,19 @@ impl Stream {
         }
     }
 
-    fn allowed_headers(&self, view: &dyn StreamView) -> Vec<(String, String)> {
-        self.record_headers(|name| view.response_header(name))
-    }
-
-    /// The allow-listed response headers, as a record keeps them.
-    fn record_headers(&self, values_of: impl Fn(&str) -> Vec<Vec<u8>>) -> Vec<(String, String)> {
+    /// The response headers a record keeps: the allow-listed ones, and those that say how the
+    /// body is read (see [`headers::REPRESENTATION`]).
+    fn recorded_headers(&self, values_of: impl Fn(&str) -> Vec<Vec<u8>>) -> Vec<(String, String)> {
+        let listed = &self.cfg.replay_headers;
+        let representation =
+            headers::REPRESENTATION.iter().copied().filter(|n| !listed.iter().any(|l| l == n));
         let mut out = Vec::new();
-        for name in &self.cfg.replay_headers {
+        for name in listed.iter().map(String::as_str).chain(representation) {
             for value in values_of(name) {
                 // A value Envoy could not send back in a local reply is left out, not mangled.
                 if headers::is_valid_value(&value) {
                     if let Ok(v) = String::from_utf8(value) {
-                        out.push((name.clone(), v));
+                        out.push((name.to_string(), v));
                     }
                 }
             }
@@ -781,10 +859,8 @@ fn inbox_key(method: &str, route: &str, id: &MessageId) -> String {
 }
 
 /// The body hash inbox mode sends with every `begin`: a constant, so that no redelivery is
-/// ever a mismatch.
-pub fn inbox_body_hash() -> String {
-    key::hex(&Sha256::digest(b"idempotency-filter/inbox/v1"))
-}
+/// ever a mismatch. SHA-256 of `idempotency-filter/inbox/v1` (a unit test checks it).
+pub const INBOX_BODY_HASH: &str = "84a7bd94e4892ceaf6647cf9bb4cc47d439450095ff13bbef98adfac56a78701";
 
 /// A view with no request headers (for a decision after they are gone).
 struct NoHeaders;
@@ -808,12 +884,6 @@ impl StreamView for NoHeaders {
     fn response_body(&self, _: usize, _: usize) -> Option<Vec<u8>> {
         None
     }
-}
-
-/// Inbox mode: the message was handled; the record keeps only its status.
-fn commit_status(key: String, token: String, body_hash: String, status: u16) -> Vec<Effect> {
-    let record = Record { status, headers: Vec::new(), body: Vec::new() };
-    vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
 }
 
 fn reject(response: LocalResponse) -> Step {

@@ -196,11 +196,12 @@ fn begin_answers_replay_reject_or_execute() {
         status: 201,
         headers: vec![("location".into(), "/orders/1".into())],
         body: b"{\"id\":1}".to_vec(),
+        ..Record::default()
     };
     let cases: Vec<(BeginAnswer, Option<u32>, Metric)> = vec![
         (BeginAnswer::Replay(record.clone()), Some(201), Metric::Replayed),
         (BeginAnswer::Mismatch, Some(422), Metric::Mismatched),
-        (BeginAnswer::Busy, Some(409), Metric::Conflicted),
+        (BeginAnswer::Busy { lock_ms: None }, Some(409), Metric::Conflicted),
         (BeginAnswer::Locked { token: "t".into() }, None, Metric::Executed),
     ];
     for (answer, status, metric) in cases {
@@ -211,7 +212,7 @@ fn begin_answers_replay_reject_or_execute() {
         assert_eq!(counts(&effects), vec![metric]);
         assert!(s.is_settled());
         // A second answer (duplicate delivery) does nothing.
-        assert_eq!(s.on_begin_answer(Ok(BeginAnswer::Busy)), vec![]);
+        assert_eq!(s.on_begin_answer(Ok(BeginAnswer::Busy { lock_ms: None })), vec![]);
     }
     let mut s = Stream::new(cfg(r#","replay_header":"x-replayed""#));
     s.on_request_headers(&MockView::post(Some("k")), true);
@@ -289,17 +290,46 @@ fn bare_204_is_committed_at_headers() {
     v.resp(":status", "204");
     let step = s.on_response_headers(&v, true);
     let [Effect::Store(StoreCall::Commit { record, .. })] = step.effects.as_slice() else { panic!() };
-    assert_eq!(Record::decode(record).unwrap(), Record { status: 204, headers: vec![], body: vec![] });
+    let record = Record::decode(record).unwrap();
+    assert_eq!((record.status, record.headers.len(), record.body.len()), (204, 0, 0));
+    assert!(record.print.is_some(), "the record says which request it answers");
+}
+
+#[test]
+fn every_2xx_is_kept_byte_for_byte_with_how_to_read_it() {
+    let body: Vec<u8> = (0..50u8).map(|b| b.wrapping_mul(37)).collect();
+    for ct in [Some("text/plain"), Some("application/xml"), Some("application/octet-stream"), None] {
+        let (mut s, _) = executing(r#","replay_headers":["location"]"#);
+        let mut v = MockView::default();
+        v.resp(":status", "201").resp("content-encoding", "gzip").resp("location", "/o/1");
+        if let Some(ct) = ct {
+            v.resp("content-type", ct);
+        }
+        assert_eq!(s.on_response_headers(&v, false), Step::go(vec![]), "{ct:?}");
+        v.response_chunk = body.clone();
+        let step = s.on_response_body(&v, body.len(), true);
+        let [Effect::Store(StoreCall::Commit { record, .. })] = &step.effects[..] else { panic!("{ct:?}") };
+        let record = Record::decode(record).unwrap();
+        assert_eq!((record.status, &record.body), (201, &body));
+        let mut expected = vec![("location".to_string(), "/o/1".to_string())];
+        if let Some(ct) = ct {
+            expected.push(("content-type".into(), ct.into()));
+        }
+        expected.push(("content-encoding".into(), "gzip".into()));
+        assert_eq!(record.headers, expected, "representation headers whatever replay_headers says");
+    }
 }
 
 #[test]
 fn unstorable_responses_release_the_lock() {
-    let cases: [&[(&str, &str)]; 5] = [
+    let cases: [&[(&str, &str)]; 7] = [
         &[(":status", "500"), ("content-type", "application/json")],
         &[(":status", "400"), ("content-type", "application/json")],
         &[(":status", "302"), ("location", "/x")],
-        &[(":status", "200"), ("content-type", "text/plain")],
-        &[(":status", "200"), ("content-type", "application/json"), ("content-length", "51")],
+        &[(":status", "200"), ("content-type", "text/event-stream")],
+        &[(":status", "200"), ("content-type", "multipart/x-mixed-replace; boundary=b")],
+        &[(":status", "200"), ("content-type", "application/grpc")],
+        &[(":status", "200"), ("upgrade", "websocket")],
     ];
     for headers in cases {
         let (mut s, key) = executing("");
@@ -368,22 +398,232 @@ fn headers_a_record_cannot_hold_release_the_lock() {
 }
 
 #[test]
-fn untyped_body_and_oversized_stream_release_at_the_end() {
-    let (mut s, key) = executing("");
+fn oversized_answers_are_kept_without_their_body() {
+    // Declared too large: nothing of the body is read.
+    let (mut s, _) = executing("");
     let mut v = MockView::default();
-    v.resp(":status", "200");
-    s.on_response_headers(&v, false);
-    v.response_chunk = b"plain".to_vec();
-    assert_eq!(s.on_response_body(&v, 5, true), Step::go(release_of(&key)));
+    v.resp(":status", "201").resp("content-type", "application/json").resp("content-length", "51");
+    v.resp("content-encoding", "gzip");
+    assert_eq!(s.on_response_headers(&v, false), Step::go(vec![]));
+    v.response_chunk = vec![b' '; 51];
+    let [Effect::Store(StoreCall::Commit { record, .. })] = &s.on_response_body(&v, 51, true).effects[..]
+    else {
+        panic!()
+    };
+    let record = Record::decode(record).unwrap();
+    assert!(record.body_omitted && record.body.is_empty());
+    assert_eq!(record.status, 201);
+    assert!(record.headers.contains(&("content-type".into(), "application/json".into())));
 
-    let (mut s, key) = executing("");
+    // Found too large as it streams: what was read is dropped, the record comes at the end.
+    let (mut s, _) = executing("");
     let mut v = MockView::default();
     v.resp(":status", "200").resp("content-type", "application/json");
     s.on_response_headers(&v, false);
     v.response_chunk = vec![b' '; 30];
     assert_eq!(s.on_response_body(&v, 30, false), Step::go(vec![]));
-    assert_eq!(s.on_response_body(&v, 30, false), Step::go(release_of(&key)), "over max_record_bytes");
+    assert_eq!(s.on_response_body(&v, 30, false), Step::go(vec![]), "over max_record_bytes");
+    let [Effect::Store(StoreCall::Commit { record, .. })] = &s.on_response_body(&v, 30, true).effects[..]
+    else {
+        panic!()
+    };
+    assert!(Record::decode(record).unwrap().body_omitted);
+
+    // `record_too_large: release`: as before, the lock goes back.
+    let (mut s, key) = executing(r#","record_too_large":"release""#);
+    s.on_response_headers(&v, false);
+    assert_eq!(s.on_response_body(&v, 30, false), Step::go(vec![]));
+    assert_eq!(s.on_response_body(&v, 30, false), Step::go(release_of(&key)));
     assert_eq!(s.on_response_body(&v, 0, true), Step::go(vec![]));
+}
+
+#[test]
+fn store_content_types_and_store_statuses_narrow_or_widen_what_is_kept() {
+    let json_only = r#","store_content_types":["application/json","+json"]"#;
+    for (ct, kept) in [("application/json", true), ("application/problem+json", true), ("text/plain", false)]
+    {
+        let (mut s, key) = executing(json_only);
+        let mut v = MockView::default();
+        v.resp(":status", "200").resp("content-type", ct);
+        let step = s.on_response_headers(&v, true);
+        if kept {
+            assert!(matches!(step.effects[..], [Effect::Store(StoreCall::Commit { .. })]), "{ct}");
+        } else {
+            assert_eq!(step, Step::go(release_of(&key)), "{ct}");
+        }
+    }
+    // No content type: kept when the body is empty, else not.
+    let (mut s, key) = executing(json_only);
+    let mut v = MockView::default();
+    v.resp(":status", "200");
+    s.on_response_headers(&v, false);
+    v.response_chunk = b"plain".to_vec();
+    assert_eq!(s.on_response_body(&v, 5, true), Step::go(release_of(&key)));
+    let (mut s, _) = executing(json_only);
+    s.on_response_headers(&v, false);
+    assert!(matches!(s.on_response_body(&v, 0, true).effects[..], [Effect::Store(StoreCall::Commit { .. })]));
+
+    let with_404 = r#","store_statuses":["2xx","404"]"#;
+    for (status, kept) in [("404", true), ("400", false), ("201", true), ("500", false)] {
+        let (mut s, key) = executing(with_404);
+        let mut v = MockView::default();
+        v.resp(":status", status).resp("content-type", "application/json");
+        let step = s.on_response_headers(&v, true);
+        if kept {
+            let [Effect::Store(StoreCall::Commit { record, .. })] = &step.effects[..] else {
+                panic!("{status}")
+            };
+            assert_eq!(Record::decode(record).unwrap().status.to_string(), status);
+        } else {
+            assert_eq!(step, Step::go(release_of(&key)), "{status}");
+        }
+    }
+}
+
+/// The record a request at `path` (with `extra` headers and `body`) commits after a `201`, and
+/// what a retry at `retry_path` (with its own headers and body) is then answered.
+fn record_then_retry(
+    config: &str,
+    first: (&str, &[(&str, &str)], &[u8]),
+    retry: (&str, &[(&str, &str)], &[u8]),
+) -> (Vec<Effect>, (String, String), (String, String)) {
+    let request = |path: &str, headers: &[(&str, &str)], body: &[u8]| {
+        let mut v = MockView::post(Some("k1"));
+        v.request[1].1 = path.as_bytes().to_vec();
+        for (n, val) in headers {
+            v.req(n, val);
+        }
+        v.request_body = body.to_vec();
+        v
+    };
+    let begin = |s: &mut Stream, v: &MockView| {
+        s.on_request_headers(v, false);
+        begin_call(&s.on_request_body(v, v.request_body.len(), true).effects)
+    };
+    let mut s = Stream::new(cfg(config));
+    let v = request(first.0, first.1, first.2);
+    let first_begin = begin(&mut s, &v);
+    s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() }));
+    let mut resp = MockView::default();
+    resp.resp(":status", "201").resp("content-type", "text/plain");
+    let step = s.on_response_headers(&resp, true);
+    let [Effect::Store(StoreCall::Commit { record, .. })] = &step.effects[..] else { panic!("{step:?}") };
+    let record = Record::decode(record).unwrap();
+
+    let mut s = Stream::new(cfg(config));
+    let v = request(retry.0, retry.1, retry.2);
+    let retry_begin = begin(&mut s, &v);
+    // The store replays by key and body hash; the machine compares the rest.
+    let effects = if retry_begin == first_begin {
+        s.on_begin_answer(Ok(BeginAnswer::Replay(record)))
+    } else {
+        s.on_begin_answer(Ok(BeginAnswer::Mismatch))
+    };
+    (effects, first_begin, retry_begin)
+}
+
+fn problem_of(effects: &[Effect]) -> serde_json::Value {
+    let Some(Effect::Respond(r)) = effects.first() else { panic!("{effects:?}") };
+    serde_json::from_slice(&r.body).unwrap()
+}
+
+#[test]
+fn another_target_on_the_same_route_is_422_not_a_replay() {
+    // One route name for every path: the scope (and so the key) is the same.
+    let named = r#""#;
+    let (effects, a, b) =
+        record_then_retry(named, ("/orders?coupon=A", &[], b"{}"), ("/orders?coupon=B", &[], b"{}"));
+    assert_eq!(a, b, "same key and body hash: the store would replay");
+    assert_eq!(respond_status(&effects), Some(422));
+    assert_eq!(counts(&effects), vec![Metric::Mismatched]);
+    assert_eq!(problem_of(&effects)["differs"], "target");
+    let (effects, ..) =
+        record_then_retry(named, ("/orders?coupon=A", &[], b"{}"), ("/orders?coupon=A", &[], b"{}"));
+    assert_eq!(counts(&effects), vec![Metric::Replayed]);
+    // A body that differs is the store's mismatch.
+    let (effects, ..) = record_then_retry(named, ("/orders", &[], b"{}"), ("/orders", &[], b"{ }"));
+    assert_eq!(problem_of(&effects)["differs"], "body");
+}
+
+#[test]
+fn fingerprinted_headers_must_repeat() {
+    let c = r#","fingerprint_headers":["x-tenant","content-type"]"#;
+    let t1: &[(&str, &str)] = &[("x-tenant", "t1"), ("content-type", "application/json")];
+    let t2: &[(&str, &str)] = &[("x-tenant", "t2"), ("content-type", "application/json")];
+    let (effects, ..) = record_then_retry(c, ("/o", t1, b"{}"), ("/o", t1, b"{}"));
+    assert_eq!(counts(&effects), vec![Metric::Replayed]);
+    let (effects, ..) = record_then_retry(c, ("/o", t1, b"{}"), ("/o", t2, b"{}"));
+    let p = problem_of(&effects);
+    assert_eq!((p["differs"].as_str(), p["header"].as_str()), (Some("header"), Some("x-tenant")));
+    // Not fingerprinted: may differ.
+    let (effects, ..) = record_then_retry("", ("/o", t1, b"{}"), ("/o", t2, b"{}"));
+    assert_eq!(counts(&effects), vec![Metric::Replayed]);
+}
+
+#[test]
+fn json_fingerprint_ignores_order_whitespace_and_ignored_members() {
+    let c = r#","fingerprint_json":{"canonical":true,"ignore":["/client_sent_at"]}"#;
+    let original: &[u8] = br#"{"sku":"a","qty":1,"client_sent_at":"t1"}"#;
+    for (retry, replays) in [
+        (&br#"{ "qty": 1, "sku": "a", "client_sent_at": "t2" }"#[..], true),
+        (br#"{"sku":"a","qty":1}"#, true),
+        (br#"{"sku":"a","qty":2,"client_sent_at":"t1"}"#, false),
+        (br#"not json"#, false),
+    ] {
+        let (effects, a, b) = record_then_retry(c, ("/o", &[], original), ("/o", &[], retry));
+        assert_eq!(a == b, replays, "{}", String::from_utf8_lossy(retry));
+        let expected = if replays { Metric::Replayed } else { Metric::Mismatched };
+        assert_eq!(counts(&effects), vec![expected], "{}", String::from_utf8_lossy(retry));
+    }
+    // Without the option, the bytes count.
+    let (effects, ..) = record_then_retry(
+        "",
+        ("/o", &[], original),
+        ("/o", &[], br#"{"qty":1,"sku":"a","client_sent_at":"t1"}"#),
+    );
+    assert_eq!(counts(&effects), vec![Metric::Mismatched]);
+    // A body that is not JSON is hashed as its bytes under the option too.
+    let (effects, a, _) = record_then_retry(c, ("/o", &[], b"plain"), ("/o", &[], b"plain"));
+    assert_eq!(a.1, sha_hex(b"plain"));
+    assert_eq!(counts(&effects), vec![Metric::Replayed]);
+}
+
+#[test]
+fn in_flight_409_says_how_long_the_lock_lives() {
+    for (lock_ms, after) in [(Some(2_500), "3"), (Some(1), "1"), (None, "1"), (Some(3_600_000), "30")] {
+        let mut s = Stream::new(cfg(r#","lock_wait_ms":0"#));
+        s.on_request_headers(&MockView::post(Some("k")), true);
+        let effects = s.on_begin_answer(Ok(BeginAnswer::Busy { lock_ms }));
+        let Some(Effect::Respond(r)) = effects.first() else { panic!() };
+        assert_eq!(r.status, 409);
+        assert!(r.headers.contains(&("retry-after".into(), after.into())), "{lock_ms:?}: {:?}", r.headers);
+        assert_eq!(problem_of(&effects)["code"], "request-in-flight");
+    }
+}
+
+#[test]
+fn a_stored_coding_the_retry_does_not_accept_is_406_and_runs_nothing() {
+    let gz = Record {
+        status: 201,
+        headers: vec![
+            ("content-type".into(), "text/plain".into()),
+            ("content-encoding".into(), "gzip".into()),
+        ],
+        body: vec![0x1f, 0x8b, 0],
+        ..Record::default()
+    };
+    for (accept, status) in [(Some("gzip"), 201), (None, 406), (Some("br"), 406)] {
+        let mut s = Stream::new(cfg(""));
+        let mut v = MockView::post(Some("k"));
+        if let Some(a) = accept {
+            v.req("accept-encoding", a);
+        }
+        s.on_request_headers(&v, true);
+        let effects = s.on_begin_answer(Ok(BeginAnswer::Replay(gz.clone())));
+        assert_eq!(respond_status(&effects), Some(status), "{accept:?}");
+        assert!(!effects.iter().any(|e| matches!(e, Effect::Resume | Effect::Upstream(_))));
+        assert!(s.is_settled());
+    }
 }
 
 #[test]
@@ -421,7 +661,9 @@ fn stream_ending_while_begin_is_pending_releases_a_late_lock() {
     assert_eq!(effects, release_of(&key), "no Resume for a stream that is gone");
     assert!(s.is_settled());
 
-    for answer in [Ok(BeginAnswer::Busy), Ok(BeginAnswer::Mismatch), Err(StoreFault::Timeout)] {
+    for answer in
+        [Ok(BeginAnswer::Busy { lock_ms: None }), Ok(BeginAnswer::Mismatch), Err(StoreFault::Timeout)]
+    {
         let mut s = Stream::new(cfg(""));
         s.on_request_headers(&MockView::post(Some("k")), true);
         s.on_stream_end();
@@ -459,26 +701,49 @@ fn random_event_sequences_keep_the_invariants() {
         let mut v = MockView::post(if next(5) == 0 { None } else { Some("k") });
         v.prop("xds.cluster_name", "app");
         v.request_body = vec![b'x'; 120];
-        let mut d = Driver::new(cfg([r#""#, r#","failure_mode":"closed""#, DETACHED][next(3) as usize]), v);
+        let configs = [
+            r#""#,
+            r#","failure_mode":"closed""#,
+            DETACHED,
+            r#","fingerprint_json":{"ignore":["/a"]},"store_statuses":["2xx","404"],"fingerprint_headers":["x-t"]"#,
+            r#","record_too_large":"release","store_content_types":["application/json"]"#,
+        ];
+        let mut d = Driver::new(cfg(configs[next(5) as usize]), v);
         for _ in 0..12 {
             let event = match next(10) {
                 0 => Event::RequestHeaders { end_of_stream: next(2) == 0 },
                 1 => Event::RequestBody { buffered: next(121) as usize, end_of_stream: next(2) == 0 },
                 2 => Event::RequestTrailers,
-                3 => Event::BeginAnswer(match next(6) {
-                    0 => Ok(BeginAnswer::Busy),
+                3 => Event::BeginAnswer(match next(8) {
+                    0 => Ok(BeginAnswer::Busy { lock_ms: [None, Some(1), Some(90_000)][next(3) as usize] }),
                     1 => Ok(BeginAnswer::Mismatch),
-                    2 => Ok(BeginAnswer::Replay(Record { status: 200, headers: vec![], body: vec![] })),
+                    2 => Ok(BeginAnswer::Replay(Record::status_only(200))),
                     3 => Err(StoreFault::Reset),
+                    4 => Ok(BeginAnswer::Replay(Record {
+                        status: 404,
+                        headers: vec![("content-encoding".into(), "gzip".into())],
+                        body: b"x".to_vec(),
+                        body_omitted: false,
+                        print: Some(crate::fingerprint::RequestPrint {
+                            target: [next(2) as u8; 32],
+                            headers: vec![],
+                        }),
+                    })),
                     _ => Ok(BeginAnswer::Locked { token: String::new() }),
                 }),
                 4 | 5 => {
                     let mut headers = vec![(
                         ":status".to_string(),
-                        ["200", "201", "204", "500", "302"][next(5) as usize].as_bytes().to_vec(),
+                        ["200", "201", "204", "500", "302", "404"][next(6) as usize].as_bytes().to_vec(),
                     )];
-                    if next(2) == 0 {
-                        headers.push(("content-type".into(), b"application/json".to_vec()));
+                    if let Some(ct) =
+                        [Some("application/json"), Some("text/plain"), Some("text/event-stream"), None]
+                            [next(4) as usize]
+                    {
+                        headers.push(("content-type".into(), ct.as_bytes().to_vec()));
+                    }
+                    if next(4) == 0 {
+                        headers.push(("content-length".into(), next(80).to_string().into_bytes()));
                     }
                     Event::ResponseHeaders { headers, end_of_stream: next(3) == 0 }
                 }
@@ -613,9 +878,19 @@ fn detached_failures_release_the_lock() {
     assert_eq!(effects[1..], release_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
-    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), b"hi")));
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/event-stream"), b"data: hi\n\n")));
     assert_eq!(respond_status(&effects), Some(200));
     assert_eq!(effects[1..], release_of(&key)[..]);
+
+    // Not a failure: a text answer is kept, and one too large without its body.
+    let (mut s, _, _) = detached_locked();
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), b"hi")));
+    let [_, Effect::Store(StoreCall::Commit { record, .. })] = &effects[..] else { panic!("{effects:?}") };
+    assert_eq!(Record::decode(record).unwrap().body, b"hi");
+    let (mut s, _, _) = detached_locked();
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), &[b'x'; 51])));
+    let [_, Effect::Store(StoreCall::Commit { record, .. })] = &effects[..] else { panic!("{effects:?}") };
+    assert!(Record::decode(record).unwrap().body_omitted);
 
     let (mut s, key, _) = detached_locked();
     let effects = s.on_upstream_answer(Err(StoreFault::Reset));
@@ -762,7 +1037,7 @@ fn inbox_binary_event_is_keyed_by_source_and_id_not_the_client() {
         assert_eq!(step.action, Action::Pause);
         assert_eq!(counts(&step.effects), vec![Metric::Guarded]);
         let (key, hash) = begin_call(&step.effects);
-        assert_eq!(hash, inbox_body_hash());
+        assert_eq!(hash, INBOX_BODY_HASH.to_string());
         key
     };
     let k = key_for(&binary_event("e1", "/src"));
@@ -806,7 +1081,7 @@ fn inbox_structured_event_is_read_from_the_body() {
     let step = s.on_request_body(&v, body.len(), true);
     assert_eq!(step.action, Action::Pause);
     assert_eq!(counts(&step.effects), vec![Metric::Guarded]);
-    assert_eq!(begin_call(&step.effects), (inbox_key_of(b"/src", b"e1"), inbox_body_hash()));
+    assert_eq!(begin_call(&step.effects), (inbox_key_of(b"/src", b"e1"), INBOX_BODY_HASH.to_string()));
     assert!(!s.awaits_key());
     // Binary and structured deliveries of one event are one message.
     let mut s = Stream::new(cfg(INBOX));
@@ -928,20 +1203,22 @@ fn inbox_any_2xx_marks_the_message_handled() {
         r.headers,
         vec![("content-type".into(), "application/json".into()), ("location".into(), "/o/1".into())]
     );
-    // A text/plain 200 is stored as its status alone, at once.
+    assert_eq!(r.print, None, "the message id is the identity");
+    // A stream 200 is stored as its status alone, at once.
     let (mut s, _) = inbox_executing(INBOX);
     let mut v = MockView::default();
-    v.resp(":status", "200").resp("content-type", "text/plain");
+    v.resp(":status", "200").resp("content-type", "text/event-stream");
     let step = s.on_response_headers(&v, false);
-    assert_eq!(committed_record(&step.effects), Record { status: 200, headers: vec![], body: vec![] });
+    assert_eq!(committed_record(&step.effects), Record::status_only(200));
     assert!(s.is_settled());
-    // An untyped body, or one over max_record_bytes (50), likewise at its end.
+    // An untyped body is kept whole; one over max_record_bytes (50) as its status, at its end.
     let (mut s, _) = inbox_executing(INBOX);
     let mut v = MockView::default();
     v.resp(":status", "202");
     s.on_response_headers(&v, false);
     v.response_chunk = b"accepted".to_vec();
-    assert_eq!(committed_record(&s.on_response_body(&v, 8, true).effects).status, 202);
+    let r = committed_record(&s.on_response_body(&v, 8, true).effects);
+    assert_eq!((r.status, r.body.as_slice()), (202, b"accepted".as_slice()));
     let (mut s, _) = inbox_executing(INBOX);
     let mut v = MockView::default();
     v.resp(":status", "200").resp("content-type", "application/json");
@@ -966,6 +1243,7 @@ fn inbox_duplicates_replay_or_get_the_configured_status() {
         status: 201,
         headers: vec![("content-type".into(), "application/json".into())],
         body: b"{\"ok\":true}".to_vec(),
+        ..Record::default()
     };
     let mut s = Stream::new(cfg(INBOX));
     s.on_request_headers(&binary_event("e1", "/src"), true);
@@ -1000,7 +1278,7 @@ fn inbox_duplicates_replay_or_get_the_configured_status() {
     // In flight after the wait: 409 in the inbox's words.
     let mut s = Stream::new(cfg(INBOX));
     s.on_request_headers(&binary_event("e1", "/src"), true);
-    let effects = s.on_begin_answer(Ok(BeginAnswer::Busy));
+    let effects = s.on_begin_answer(Ok(BeginAnswer::Busy { lock_ms: None }));
     let [Effect::Respond(r), Effect::Count(Metric::Conflicted)] = effects.as_slice() else {
         panic!("{effects:?}")
     };
@@ -1070,8 +1348,8 @@ fn inbox_random_event_sequences_keep_the_invariants() {
                 },
                 2 => Event::RequestTrailers,
                 3 => Event::BeginAnswer(match next(7) {
-                    0 => Ok(BeginAnswer::Busy),
-                    1 => Ok(BeginAnswer::Replay(Record { status: 200, headers: vec![], body: vec![] })),
+                    0 => Ok(BeginAnswer::Busy { lock_ms: None }),
+                    1 => Ok(BeginAnswer::Replay(Record::status_only(200))),
                     2 => Err(StoreFault::Reset),
                     _ => Ok(BeginAnswer::Locked { token: String::new() }),
                 }),

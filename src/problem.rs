@@ -1,8 +1,10 @@
 //! Every answer the filter makes itself: RFC 9457 `application/problem+json`. None of them
-//! echoes the client's key.
+//! echoes the client's key. Besides `type`, each carries a stable `code` (e.g. `key-reused`)
+//! that clients can switch on.
 
 use serde::Serialize;
 
+use crate::fingerprint::Differs;
 use crate::inbox::IdError;
 use crate::key::KeyError;
 
@@ -18,21 +20,46 @@ pub struct LocalResponse {
 struct Body<'a> {
     #[serde(rename = "type")]
     kind: String,
+    code: &'a str,
     title: &'a str,
     status: u32,
     detail: &'a str,
+    /// `key-reused`: what differed (`body`, `target` or `header`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    differs: Option<&'a str>,
+    /// `key-reused` on a header: its name (from the configuration, never the client's value).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    header: Option<&'a str>,
 }
 
 const TYPE_BASE: &str = "https://idempotency-filter.dev/problems/";
 
+/// `slug` names the `type`; `code` is the same word but where an older `type` said otherwise.
 fn problem(status: u32, slug: &str, title: &str, detail: &str) -> LocalResponse {
-    let body = Body { kind: format!("{TYPE_BASE}{slug}"), title, status, detail };
-    LocalResponse {
+    problem_with(Body {
+        kind: format!("{TYPE_BASE}{slug}"),
+        code: slug,
+        title,
         status,
+        detail,
+        differs: None,
+        header: None,
+    })
+}
+
+fn problem_with(body: Body<'_>) -> LocalResponse {
+    LocalResponse {
+        status: body.status,
         headers: vec![("content-type".into(), "application/problem+json".into())],
         // Serializing a struct of strings cannot fail; an empty body is the harmless fallback.
         body: serde_json::to_vec(&body).unwrap_or_default(),
     }
+}
+
+/// `retry-after` in whole seconds, at least 1.
+fn retry_after(mut r: LocalResponse, ms: u64) -> LocalResponse {
+    r.headers.push(("retry-after".into(), ms.div_ceil(1000).max(1).to_string()));
+    r
 }
 
 pub fn missing_key() -> LocalResponse {
@@ -63,16 +90,16 @@ pub fn invalid_message_id(e: IdError) -> LocalResponse {
     problem(400, "invalid-message-id", "Invalid message id", &e.to_string())
 }
 
-/// Inbox mode: another delivery of the same message is still being handled.
-pub fn message_in_flight() -> LocalResponse {
-    let mut r = problem(
+/// Inbox mode: another delivery of the same message is still being handled; its lock lives
+/// `lock_ms` more.
+pub fn message_in_flight(lock_ms: u64) -> LocalResponse {
+    let r = problem(
         409,
         "message-in-flight",
         "Message in flight",
         "Another delivery of this message is still being processed; redeliver it later.",
     );
-    r.headers.push(("retry-after".into(), "1".into()));
-    r
+    retry_after(r, lock_ms)
 }
 
 pub fn body_too_large(max: usize) -> LocalResponse {
@@ -84,24 +111,65 @@ pub fn body_too_large(max: usize) -> LocalResponse {
     )
 }
 
-pub fn key_reused() -> LocalResponse {
-    problem(
-        422,
-        "key-reused",
-        "Idempotency-Key reused",
-        "This Idempotency-Key was already used with a different request body.",
-    )
+/// The key's record answers another request: `what` differed.
+pub fn key_reused(what: &Differs) -> LocalResponse {
+    let (differs, header, detail) = match what {
+        Differs::Body => {
+            ("body", None, "This Idempotency-Key was already used with a different request body.".to_string())
+        }
+        Differs::Target => (
+            "target",
+            None,
+            "This Idempotency-Key was already used with a different request target (method, path or query)."
+                .to_string(),
+        ),
+        Differs::Header(name) => (
+            "header",
+            Some(name.as_str()),
+            format!(
+                "This Idempotency-Key was already used with a different value of the request header {name}."
+            ),
+        ),
+    };
+    problem_with(Body {
+        kind: format!("{TYPE_BASE}key-reused"),
+        code: "key-reused",
+        title: "Idempotency-Key reused",
+        status: 422,
+        detail: &detail,
+        differs: Some(differs),
+        header,
+    })
 }
 
-pub fn in_flight() -> LocalResponse {
-    let mut r = problem(
-        409,
-        "in-flight",
-        "Request in flight",
-        "A request with this Idempotency-Key is still being processed; retry later with the same key.",
-    );
-    r.headers.push(("retry-after".into(), "1".into()));
-    r
+/// The original request still runs; its lock lives `lock_ms` more.
+pub fn in_flight(lock_ms: u64) -> LocalResponse {
+    let r = problem_with(Body {
+        kind: format!("{TYPE_BASE}in-flight"),
+        code: "request-in-flight",
+        title: "Request in flight",
+        status: 409,
+        detail:
+            "A request with this Idempotency-Key is still being processed; retry later with the same key.",
+        differs: None,
+        header: None,
+    });
+    retry_after(r, lock_ms)
+}
+
+/// The stored answer is in a content coding this retry does not accept.
+pub fn encoding_not_acceptable(coding: &str) -> LocalResponse {
+    // The coding comes from the stored answer's header, visible ASCII; cut to keep it short.
+    let coding: String = coding.chars().take(32).collect();
+    problem(
+        406,
+        "encoding-not-acceptable",
+        "Stored answer's encoding not acceptable",
+        &format!(
+            "The answer to this Idempotency-Key was stored {coding}-coded, and this request does not accept \
+             {coding} (Accept-Encoding); retry with the same key and Accept-Encoding: {coding}."
+        ),
+    )
 }
 
 pub fn upstream_failed() -> LocalResponse {
@@ -137,26 +205,50 @@ mod tests {
 
     #[test]
     fn problems_are_rfc9457() {
-        for (r, status) in [
-            (missing_key(), 400),
-            (invalid_key(KeyError::Empty), 400),
-            (body_too_large(10), 413),
-            (key_reused(), 422),
-            (in_flight(), 409),
-            (store_unavailable(), 503),
-            (upstream_failed(), 502),
-            (upstream_timeout(5), 504),
-            (missing_message_id(), 400),
-            (invalid_message_id(IdError::Empty), 400),
-            (message_in_flight(), 409),
+        for (r, status, code) in [
+            (missing_key(), 400, "missing-key"),
+            (invalid_key(KeyError::Empty), 400, "invalid-key"),
+            (body_too_large(10), 413, "body-too-large"),
+            (key_reused(&Differs::Body), 422, "key-reused"),
+            (in_flight(1), 409, "request-in-flight"),
+            (store_unavailable(), 503, "store-unavailable"),
+            (upstream_failed(), 502, "upstream-failed"),
+            (upstream_timeout(5), 504, "upstream-timeout"),
+            (missing_message_id(), 400, "missing-message-id"),
+            (invalid_message_id(IdError::Empty), 400, "invalid-message-id"),
+            (message_in_flight(1), 409, "message-in-flight"),
+            (encoding_not_acceptable("gzip"), 406, "encoding-not-acceptable"),
         ] {
             assert_eq!(r.status, status);
             assert_eq!(r.headers[0], ("content-type".into(), "application/problem+json".into()));
             let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
             assert_eq!(v["status"], status);
+            assert_eq!(v["code"], code);
             assert!(v["type"].as_str().unwrap().starts_with(TYPE_BASE));
             assert!(v["title"].is_string());
             assert!(v["detail"].is_string());
         }
+    }
+
+    #[test]
+    fn key_reused_says_what_differed() {
+        let v = |r: LocalResponse| serde_json::from_slice::<serde_json::Value>(&r.body).unwrap();
+        assert_eq!(v(key_reused(&Differs::Body))["differs"], "body");
+        assert_eq!(v(key_reused(&Differs::Target))["differs"], "target");
+        let h = v(key_reused(&Differs::Header("x-tenant".into())));
+        assert_eq!((h["differs"].as_str(), h["header"].as_str()), (Some("header"), Some("x-tenant")));
+        assert!(h["detail"].as_str().unwrap().contains("x-tenant"));
+        assert_eq!(v(key_reused(&Differs::Body)).get("header"), None);
+    }
+
+    #[test]
+    fn retry_after_is_the_lock_time_left_in_whole_seconds() {
+        let after =
+            |r: LocalResponse| r.headers.iter().find(|(n, _)| n == "retry-after").map(|(_, v)| v.clone());
+        assert_eq!(after(in_flight(0)).as_deref(), Some("1"));
+        assert_eq!(after(in_flight(1)).as_deref(), Some("1"));
+        assert_eq!(after(in_flight(1000)).as_deref(), Some("1"));
+        assert_eq!(after(in_flight(1001)).as_deref(), Some("2"));
+        assert_eq!(after(message_in_flight(29_500)).as_deref(), Some("30"));
     }
 }

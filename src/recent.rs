@@ -154,6 +154,7 @@ mod tests {
             status: 201,
             headers: vec![("content-type".into(), "application/json".into())],
             body: body.as_bytes().to_vec(),
+            ..Record::default()
         }
     }
 

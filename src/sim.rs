@@ -11,7 +11,8 @@
 //! * at most one `begin`, with a well-formed store key and body hash;
 //! * every lock the store grants (a `locked` answer to the pending `begin`) ends in exactly one
 //!   commit or release naming its key and token, and no commit or release names anything else;
-//! * a committed record decodes, is `2xx` and fits `max_record_bytes`;
+//! * a committed record decodes, has a status `store_statuses` keeps (any `2xx` in inbox mode),
+//!   fits `max_record_bytes`, and says which request it answers (outside inbox mode);
 //! * an answer to a call that is not pending changes nothing;
 //! * once the pending calls are answered, the stream is settled ([`Stream::is_settled`]).
 
@@ -296,9 +297,16 @@ impl Driver {
                     return self
                         .violation(format!("a commit for another key or body: {key:?} {body_hash:?}"));
                 }
+                let kept_status = |status: u16| match self.cfg.inbox() {
+                    Some(_) => (200..=299).contains(&status),
+                    None => self.cfg.store_statuses.contains(status),
+                };
                 match Record::decode(record) {
-                    Ok(r) if (200..=299).contains(&r.status) && r.body.len() <= self.cfg.max_record_bytes => {
-                    }
+                    Ok(r)
+                        if kept_status(r.status)
+                            && r.body.len() <= self.cfg.max_record_bytes
+                            && (!r.body_omitted || r.body.is_empty())
+                            && r.print.is_some() == self.cfg.inbox().is_none() => {}
                     other => {
                         return self.violation(format!("a commit of a record that cannot replay: {other:?}"))
                     }

@@ -143,8 +143,13 @@ impl std::fmt::Display for StoreFault {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BeginAnswer {
     Replay(Record),
-    Locked { token: String },
-    Busy,
+    Locked {
+        token: String,
+    },
+    /// The lock is still held; `lock_ms`: how long it still lives, when the store says.
+    Busy {
+        lock_ms: Option<u64>,
+    },
     Mismatch,
 }
 
@@ -189,7 +194,12 @@ impl Answer<'_> {
                 }
                 BeginAnswer::Locked { token: String::from_utf8_lossy(token).into_owned() }
             }
-            BeginOutcome::Busy => BeginAnswer::Busy,
+            // Optional and advisory (the 409's `retry-after`): absent or malformed is `None`.
+            BeginOutcome::Busy => BeginAnswer::Busy {
+                lock_ms: self
+                    .header(proto::HEADER_LOCK_REMAINING_MS)
+                    .and_then(|v| proto::parse_bounded(v, proto::MAX_LOCK_TTL_MS)),
+            },
             BeginOutcome::Mismatch => BeginAnswer::Mismatch,
         })
     }
@@ -310,7 +320,7 @@ mod tests {
 
     #[test]
     fn begin_answers() {
-        let rec = Record { status: 201, headers: vec![], body: b"{}".to_vec() };
+        let rec = Record { status: 201, body: b"{}".to_vec(), ..Record::default() };
         let enc = rec.encode();
         let h = answer("200", Some("record"), &[]);
         assert_eq!(Answer { headers: &h, body: &enc }.begin(), Ok(BeginAnswer::Replay(rec)));
@@ -320,14 +330,21 @@ mod tests {
             Ok(BeginAnswer::Locked { token: "tok1".into() })
         );
         let h = answer("200", Some("busy"), &[]);
-        assert_eq!(Answer { headers: &h, body: b"" }.begin(), Ok(BeginAnswer::Busy));
+        assert_eq!(Answer { headers: &h, body: b"" }.begin(), Ok(BeginAnswer::Busy { lock_ms: None }));
+        for (left, expected) in [("2500", Some(2500)), ("0", None), ("x", None), ("3600001", None)] {
+            let h = answer("200", Some("busy"), &[(proto::HEADER_LOCK_REMAINING_MS, left)]);
+            assert_eq!(
+                Answer { headers: &h, body: b"" }.begin(),
+                Ok(BeginAnswer::Busy { lock_ms: expected })
+            );
+        }
         let h = answer("200", Some("mismatch"), &[]);
         assert_eq!(Answer { headers: &h, body: b"" }.begin(), Ok(BeginAnswer::Mismatch));
     }
 
     #[test]
     fn record_lifetime_is_optional_and_never_a_fault() {
-        let rec = Record { status: 201, headers: vec![], body: b"{}".to_vec() };
+        let rec = Record { status: 201, body: b"{}".to_vec(), ..Record::default() };
         let enc = rec.encode();
         for (ttl, expected) in [
             (Some("86399000"), Some(86_399_000)),

@@ -255,8 +255,19 @@ fn token(headers: &HeaderMap) -> Result<&str, Error> {
 }
 
 fn bounded(headers: &HeaderMap, name: &str, max: u64) -> Result<u64, Error> {
-    proto::parse_bounded(header(headers, name)?, max)
-        .ok_or_else(|| Error::BadRequest(format!("header {name} must be an integer in 1..={max}")))
+    within(headers, name, 1, max)
+}
+
+/// A decimal header value in `min..=max`; the refusal names the header and the range.
+fn within(headers: &HeaderMap, name: &str, min: u64, max: u64) -> Result<u64, Error> {
+    proto::parse_in(header(headers, name)?, min..=max)
+        .ok_or_else(|| Error::BadRequest(format!("header {name} must be an integer in {min}..={max}")))
+}
+
+/// Whole milliseconds rounded up, at least 1: what `x-idem-lock-remaining-ms` carries, so a
+/// retry timed by it never comes before the lock expires.
+fn ceil_millis(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX).max(1)
 }
 
 fn answer(outcome: &'static str) -> Response {
@@ -283,7 +294,8 @@ fn begin_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Resul
         key: hex64(headers, proto::HEADER_KEY)?,
         body_hash: hex64(headers, proto::HEADER_BODY_HASH)?,
         lock_ttl: Duration::from_millis(bounded(headers, proto::HEADER_LOCK_TTL_MS, proto::MAX_LOCK_TTL_MS)?),
-        wait: Duration::from_millis(bounded(headers, proto::HEADER_WAIT_MS, proto::MAX_WAIT_MS)?),
+        // 0: a single attempt, `busy` at once if the lock is held.
+        wait: Duration::from_millis(within(headers, proto::HEADER_WAIT_MS, 0, proto::MAX_WAIT_MS)?),
     })
 }
 
@@ -308,7 +320,7 @@ async fn begin<B: Backend>(
     let outcome = match &begun {
         Begin::Record(..) => proto::BeginOutcome::Record,
         Begin::Mismatch => proto::BeginOutcome::Mismatch,
-        Begin::Busy => proto::BeginOutcome::Busy,
+        Begin::Busy { .. } => proto::BeginOutcome::Busy,
         Begin::Locked { .. } => proto::BeginOutcome::Locked,
     };
     let mut response = answer(outcome.as_str());
@@ -333,7 +345,15 @@ async fn begin<B: Backend>(
                 return Error::from(e).into_response();
             }
         },
-        Begin::Mismatch | Begin::Busy => {}
+        Begin::Busy { remaining } => {
+            if let Some(remaining) = remaining {
+                response.headers_mut().insert(
+                    HeaderName::from_static(proto::HEADER_LOCK_REMAINING_MS),
+                    HeaderValue::from(ceil_millis(remaining)),
+                );
+            }
+        }
+        Begin::Mismatch => {}
     }
     timer.answered(Outcome::Begin(outcome));
     response
@@ -443,5 +463,21 @@ async fn health<B: Backend>(State(store): State<Arc<Store<B>>>) -> Response {
             tracing::warn!(error = %e, "health check failed");
             (StatusCode::SERVICE_UNAVAILABLE, "unavailable").into_response()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_remaining_rounds_up_to_at_least_one_millisecond() {
+        assert_eq!(ceil_millis(Duration::ZERO), 1);
+        assert_eq!(ceil_millis(Duration::from_nanos(1)), 1);
+        assert_eq!(ceil_millis(Duration::from_millis(1)), 1);
+        assert_eq!(ceil_millis(Duration::from_nanos(1_000_001)), 2);
+        assert_eq!(ceil_millis(Duration::from_micros(29_999_001)), 30_000);
+        assert_eq!(ceil_millis(Duration::from_secs(30)), 30_000);
+        assert_eq!(ceil_millis(Duration::MAX), u64::MAX);
     }
 }

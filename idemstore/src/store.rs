@@ -30,7 +30,12 @@ pub enum Begin {
     Locked {
         token: String,
     },
-    Busy,
+    /// Another request still held the lock at the last attempt (the wait was `0`, ran out, or
+    /// was cut short by [`Store::stop_waiting`]); `remaining` is how long that lock still
+    /// lived then, as the backend told (`None`: unknown).
+    Busy {
+        remaining: Option<Duration>,
+    },
 }
 
 #[derive(Debug)]
@@ -103,7 +108,9 @@ impl<B: Backend> Store<B> {
     }
 
     /// Record, fresh lock or mismatch; when another request holds the lock, waits up to
-    /// `wait` for it to commit or release and tries again, answering `busy` at the deadline.
+    /// `wait` for it to commit or release and tries again, answering `busy` at the deadline
+    /// with the holder's remaining lock time from the last attempt. A zero `wait` is a single
+    /// attempt: `busy` at once if the lock is held.
     pub async fn begin(
         &self,
         key: &str,
@@ -132,8 +139,10 @@ impl<B: Backend> Store<B> {
             };
             waiting.get_or_insert_with(|| self.metrics.wait());
             let now = Instant::now();
+            // Every pass makes a fresh attempt first, so the deadline and a shutdown both
+            // answer with the holder's remaining time as last seen, not a stale one.
             if now >= deadline || *stopping.borrow_and_update() {
-                return Ok(Begin::Busy);
+                return Ok(Begin::Busy { remaining });
             }
             // Never sleep past the deadline, nor past the holder's expiry (then the lock is
             // ours to take); at least 1 ms so an expiring lock cannot make us spin.

@@ -280,6 +280,8 @@ async fn every_field_is_validated_before_the_backend() {
     let number_bad = |max: &str| {
         ["", "0", max, "-1", "+5", "1.5", "1e3", "abc", " 5", "99999999999999999999999"].map(str::to_owned)
     };
+    // The wait may be 0 (see `wait_ms_may_be_zero`).
+    let wait_bad: Vec<String> = number_bad(&wait_max).into_iter().filter(|v| v != "0").collect();
     let token_bad = ["", "a b", "tok!", "t/k", long_token.as_str()].map(str::to_owned);
 
     // (path, a valid header set, each header with its bad values)
@@ -299,7 +301,7 @@ async fn every_field_is_validated_before_the_backend() {
                 (proto::HEADER_KEY, hex_bad.to_vec()),
                 (proto::HEADER_BODY_HASH, hex_bad.to_vec()),
                 (proto::HEADER_LOCK_TTL_MS, number_bad(&ttl_max).to_vec()),
-                (proto::HEADER_WAIT_MS, number_bad(&wait_max).to_vec()),
+                (proto::HEADER_WAIT_MS, wait_bad),
             ],
         ),
         (
@@ -348,11 +350,59 @@ async fn every_field_is_validated_before_the_backend() {
     let empty = client.commit(&key, "tok", &hash, Bytes::new()).await;
     assert_eq!(empty.status, StatusCode::BAD_REQUEST);
     assert!(String::from_utf8_lossy(&empty.body).contains("record"));
-    assert_eq!(cases, 95);
+    assert_eq!(cases, 94);
     assert!(backend.is_empty(), "an invalid request reached the backend");
 
     // The control: the valid sets pass.
     assert_eq!(client.begin(&key, &hash, "1").await.outcome(), "locked");
+}
+
+/// `x-idem-wait-ms` takes `0..=60000`: `0` is one attempt, `busy` at once when the lock is
+/// held; a sign, an empty value or past the maximum is still a `400` naming the header and its
+/// range, and never reaches the backend. The other numbers still start at 1.
+#[tokio::test]
+async fn wait_ms_may_be_zero() {
+    let backend = MemoryBackend::new(1000);
+    let addr = serve_with(backend.clone(), Options::new(1024)).await;
+    let max = proto::MAX_WAIT_MS.to_string();
+    let past_max = (proto::MAX_WAIT_MS + 1).to_string();
+    assert_eq!(past_max, "60001");
+    for version in [Version::H1, Version::H2c] {
+        let client = Client::new(addr, version).await;
+        let (key, hash) = (common::key(), common::hash('a'));
+        let keys = backend.len();
+        // (Not " 0": HTTP/1.1 strips the whitespace around a value, so that one is a plain 0.)
+        for bad in ["-1", "+1", "", past_max.as_str(), "-0", "+0", "0.0", "0x0"] {
+            let reply = client.begin(&key, &hash, bad).await;
+            let text = String::from_utf8_lossy(&reply.body);
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad:?}: {text}");
+            assert!(text.contains(proto::HEADER_WAIT_MS) && text.contains("0..=60000"), "{bad:?}: {text}");
+            assert!(reply.outcome().is_empty());
+        }
+        assert_eq!(backend.len(), keys, "an invalid wait reached the backend");
+        let zero_ttl = client.begin_with_ttl(&key, &hash, "0", "0").await;
+        let text = String::from_utf8_lossy(&zero_ttl.body);
+        assert_eq!(zero_ttl.status, StatusCode::BAD_REQUEST, "{text}");
+        assert!(text.contains(proto::HEADER_LOCK_TTL_MS) && text.contains("1..=3600000"), "{text}");
+
+        // 0 takes a free lock, and answers busy at once when it is held.
+        let locked = client.begin(&key, &hash, "0").await;
+        assert_eq!((locked.status, locked.outcome()), (StatusCode::OK, "locked"));
+        let started = Instant::now();
+        let busy = client.begin(&key, &hash, "0").await;
+        let took = started.elapsed();
+        assert_eq!((busy.status, busy.outcome()), (StatusCode::OK, "busy"));
+        assert!(took < Duration::from_millis(100), "busy after {took:?}");
+        let remaining = busy.lock_remaining().unwrap();
+        assert!(
+            remaining >= Duration::from_millis(1) && remaining <= Duration::from_secs(30),
+            "{remaining:?}"
+        );
+        // Leading zeros are still a number; the maximum is accepted (a free key: no wait).
+        assert_eq!(client.begin(&key, &hash, "000").await.outcome(), "busy");
+        assert_eq!(client.begin(&common::key(), &hash, &max).await.outcome(), "locked");
+        assert_eq!(client.release(&key, &locked.token()).await.outcome(), "released");
+    }
 }
 
 /// Bodies: none on `begin`/`release`, at most `max_body_bytes` on `commit`; neither stores

@@ -34,6 +34,16 @@ async fn busy_after_wait() {
 }
 
 #[tokio::test]
+async fn busy_at_once_without_wait() {
+    common::busy_at_once_without_wait(&store()).await;
+}
+
+#[tokio::test]
+async fn lock_remaining_over_http() {
+    common::lock_remaining_over_http(Arc::new(store())).await;
+}
+
+#[tokio::test]
 async fn mismatch() {
     common::mismatch(&store()).await;
 }

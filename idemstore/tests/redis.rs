@@ -115,6 +115,40 @@ async fn busy_after_wait() {
 }
 
 #[tokio::test]
+async fn busy_at_once_without_wait() {
+    let redis = RedisServer::start().await;
+    common::busy_at_once_without_wait(&redis.store()).await;
+}
+
+#[tokio::test]
+async fn lock_remaining_over_http() {
+    let redis = RedisServer::start().await;
+    common::lock_remaining_over_http(Arc::new(redis.store())).await;
+}
+
+/// A lock without expiry (set by hand): `busy` says nothing of its remaining time, and the
+/// answer carries no `x-idem-lock-remaining-ms`.
+#[tokio::test]
+async fn lock_without_expiry_has_no_remaining_time() {
+    let redis = RedisServer::start().await;
+    let store = Arc::new(redis.store());
+    let key = common::key();
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("SET")
+        .arg(format!("idem:{{{key}}}:l"))
+        .arg("by-hand")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let begun = store.begin(&key, &common::hash('a'), common::TTL, Duration::ZERO).await.unwrap();
+    assert_eq!(begun, Begin::Busy { remaining: None });
+    let addr = common::client::serve_store(store, idemstore::http::Options::new(1024)).await;
+    let client = common::client::Client::new(addr, common::client::Version::H2c).await;
+    let busy = client.begin(&key, &common::hash('a'), "0").await;
+    assert_eq!((busy.outcome(), busy.lock_remaining()), ("busy", None));
+}
+
+#[tokio::test]
 async fn mismatch() {
     let redis = RedisServer::start().await;
     common::mismatch(&redis.store()).await;
@@ -334,7 +368,7 @@ async fn scripts_publish_the_key_on_change_when_waited_on() {
         let store = &store;
         async move {
             let begun = store.begin(&key, &common::hash('a'), common::TTL, Duration::from_millis(1)).await;
-            assert_eq!(begun.unwrap(), Begin::Busy);
+            common::busy_remaining(begun.unwrap());
         }
     };
     let (committed, released, late) = (common::key(), common::key(), common::key());

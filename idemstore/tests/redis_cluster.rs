@@ -11,7 +11,7 @@ use futures_util::StreamExt;
 use idemstore::backend::pubsub::CHANNEL;
 use idemstore::backend::redis::RedisBackend;
 use idemstore::backend::Backend;
-use idemstore::store::{Begin, Store};
+use idemstore::store::Store;
 use redis::cluster_async::ClusterConnection;
 
 /// Three cluster-enabled `redis-server`s joined by `redis-cli --cluster create`, killed by
@@ -130,9 +130,11 @@ async fn scenarios_on_three_masters() {
     common::release_lets_next_begin_lock(&store).await;
     common::late_commit_and_exists(&store).await;
     common::busy_after_wait(&store).await;
+    common::busy_at_once_without_wait(&store).await;
     common::binary_record(&store).await;
     common::waiter_woken_by_commit(cluster.store().backend().clone()).await;
     common::waiter_on_other_instance(cluster.store(), cluster.store()).await;
+    common::lock_remaining_over_http(std::sync::Arc::new(cluster.store())).await;
 }
 
 /// A master down (no replica to fail over to): keys in its slots fail fast, within the
@@ -179,7 +181,7 @@ async fn wakes_cross_instances_on_three_masters() {
         let key = common::key();
         let token = common::lock(&store, &key).await;
         let waited = store.begin(&key, &common::hash('a'), common::TTL, Duration::from_millis(1)).await;
-        assert_eq!(waited.unwrap(), Begin::Busy);
+        common::busy_remaining(waited.unwrap());
         store.commit(&key, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
         for (node, messages) in subscribers.iter_mut().enumerate() {
             let message = tokio::time::timeout(Duration::from_secs(5), messages.next())

@@ -6,7 +6,7 @@
 //!
 //! | operation | request headers | request body | answer (`200`, outcome header) | answer body |
 //! |---|---|---|---|---|
-//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms | none | `record` (+ttl-ms), `locked` (+token), `busy`, `mismatch` | the record for `record` |
+//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms | none | `record` (+ttl-ms), `locked` (+token), `busy` (+lock-remaining-ms), `mismatch` | the record for `record` |
 //! | `POST /v1/commit` | key, token, body-hash, retention-s | the record | `stored`, `late`, `exists` | none |
 //! | `POST /v1/release` | key, token | none | `released`, `not-owner` | none |
 //!
@@ -29,7 +29,8 @@ pub const HEADER_KEY: &str = "x-idem-key";
 pub const HEADER_BODY_HASH: &str = "x-idem-body-hash";
 /// Lock time-to-live in milliseconds.
 pub const HEADER_LOCK_TTL_MS: &str = "x-idem-lock-ttl-ms";
-/// How long `begin` may wait for a held lock, in milliseconds (long-poll on the store side).
+/// How long `begin` may wait for a held lock, in milliseconds (long-poll on the store side),
+/// `0..=`[`MAX_WAIT_MS`]: `0` is one attempt, answering `busy` at once if the lock is held.
 pub const HEADER_WAIT_MS: &str = "x-idem-wait-ms";
 /// Record lifetime in seconds.
 pub const HEADER_RETENTION_S: &str = "x-idem-retention-s";
@@ -37,6 +38,10 @@ pub const HEADER_RETENTION_S: &str = "x-idem-retention-s";
 /// when the store does not know): the filter caches a replayed record only when it is given, and
 /// never beyond it.
 pub const HEADER_TTL_MS: &str = "x-idem-ttl-ms";
+/// On a `busy` answer: how long the lock holder's lock still lives, in whole milliseconds
+/// rounded up, at least 1. Optional (absent when the store does not know): the filter turns it
+/// into the 409's `retry-after`.
+pub const HEADER_LOCK_REMAINING_MS: &str = "x-idem-lock-remaining-ms";
 /// The lock owner's token: returned by `begin` on `locked`, sent back by `commit`/`release`.
 pub const HEADER_TOKEN: &str = "x-idem-token";
 /// The operation's outcome, one of the outcome enums' wire names.
@@ -123,13 +128,19 @@ pub fn is_secret(s: &[u8]) -> bool {
     !s.is_empty() && s.len() <= MAX_SECRET_LEN && s.iter().all(|b| matches!(b, 0x21..=0x7e))
 }
 
-/// Parses a decimal header value into `1..=max`.
+/// Parses a decimal header value into `1..=max` (see [`parse_in`]).
 pub fn parse_bounded(s: &[u8], max: u64) -> Option<u64> {
+    parse_in(s, 1..=max)
+}
+
+/// Parses a decimal header value into `range`: ASCII digits only (no sign, no spaces, no
+/// empty value), at most 20 of them; leading zeros are allowed.
+pub fn parse_in(s: &[u8], range: std::ops::RangeInclusive<u64>) -> Option<u64> {
     if s.is_empty() || s.len() > 20 || !s.iter().all(u8::is_ascii_digit) {
         return None;
     }
     let n = std::str::from_utf8(s).ok()?.parse::<u64>().ok()?;
-    (1..=max).contains(&n).then_some(n)
+    range.contains(&n).then_some(n)
 }
 
 #[cfg(test)]
@@ -161,6 +172,8 @@ mod tests {
         assert_eq!(parse_bounded(b"99999999999999999999999", u64::MAX), None);
         assert_eq!(parse_bounded(b"+5", 10), None);
         assert_eq!(parse_bounded(b" 5", 10), None);
+        assert_eq!(parse_bounded(b"10", 10), Some(10));
+        assert_eq!(parse_bounded(b"1", 10), Some(1));
         assert!(is_secret(b"s3cr3t!~"));
         assert!(is_secret(&[b'x'; MAX_SECRET_LEN]));
         assert!(!is_secret(&[b'x'; MAX_SECRET_LEN + 1]));
@@ -168,5 +181,50 @@ mod tests {
         assert!(!is_secret(b"two words"));
         assert!(!is_secret(b"tab\t"));
         assert!(!is_secret("caf\u{e9}".as_bytes()));
+    }
+
+    #[test]
+    fn parse_in_ranges() {
+        // Zero, when the range has it: the wait header's "no waiting".
+        assert_eq!(parse_in(b"0", 0..=MAX_WAIT_MS), Some(0));
+        assert_eq!(parse_in(b"000", 0..=MAX_WAIT_MS), Some(0));
+        assert_eq!(parse_in(b"60000", 0..=MAX_WAIT_MS), Some(MAX_WAIT_MS));
+        assert_eq!(parse_in(b"60001", 0..=MAX_WAIT_MS), None);
+        assert_eq!(parse_in(b"0", 1..=10), None);
+        // Both bounds are inclusive; a range not starting at 0 or 1 works the same.
+        assert_eq!(parse_in(b"5", 5..=7), Some(5));
+        assert_eq!(parse_in(b"7", 5..=7), Some(7));
+        assert_eq!(parse_in(b"4", 5..=7), None);
+        assert_eq!(parse_in(b"8", 5..=7), None);
+        // The full u64 range, and one past it.
+        assert_eq!(parse_in(b"18446744073709551615", 0..=u64::MAX), Some(u64::MAX));
+        assert_eq!(parse_in(b"18446744073709551616", 0..=u64::MAX), None);
+        // An empty range accepts nothing.
+        let empty = std::ops::RangeInclusive::new(1, 0);
+        assert_eq!(parse_in(b"0", empty.clone()), None);
+        assert_eq!(parse_in(b"1", empty), None);
+        // Strict decimal: no sign, space, empty value, fraction, exponent, hex or non-ASCII
+        // digit, and at most 20 characters even with leading zeros.
+        for bad in [
+            &b""[..],
+            b"-0",
+            b"-1",
+            b"+0",
+            b"+1",
+            b" 0",
+            b"0 ",
+            b"1.0",
+            b"1e3",
+            b"0x1",
+            "\u{661}".as_bytes(),
+            b"000000000000000000001",
+        ] {
+            assert_eq!(parse_in(bad, 0..=u64::MAX), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+        assert_eq!(parse_in(b"00000000000000000001", 0..=u64::MAX), Some(1));
+        // parse_bounded is parse_in over 1..=max.
+        for s in [&b"0"[..], b"1", b"10", b"11", b"", b"+1"] {
+            assert_eq!(parse_bounded(s, 10), parse_in(s, 1..=10));
+        }
     }
 }

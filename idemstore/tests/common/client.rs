@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -46,6 +47,12 @@ impl Reply {
 
     pub fn token(&self) -> String {
         self.headers[proto::HEADER_TOKEN].to_str().unwrap().to_owned()
+    }
+
+    /// `x-idem-lock-remaining-ms`, if set (it must then be a whole number of milliseconds).
+    pub fn lock_remaining(&self) -> Option<Duration> {
+        let value = self.headers.get(proto::HEADER_LOCK_REMAINING_MS)?;
+        Some(Duration::from_millis(value.to_str().unwrap().parse().unwrap()))
     }
 }
 
@@ -130,10 +137,14 @@ impl Client {
     }
 
     pub async fn begin(&self, key: &str, hash: &str, wait_ms: &str) -> Reply {
+        self.begin_with_ttl(key, hash, "30000", wait_ms).await
+    }
+
+    pub async fn begin_with_ttl(&self, key: &str, hash: &str, lock_ttl_ms: &str, wait_ms: &str) -> Reply {
         let headers = [
             (proto::HEADER_KEY, key),
             (proto::HEADER_BODY_HASH, hash),
-            (proto::HEADER_LOCK_TTL_MS, "30000"),
+            (proto::HEADER_LOCK_TTL_MS, lock_ttl_ms),
             (proto::HEADER_WAIT_MS, wait_ms),
         ];
         self.call("POST", proto::PATH_BEGIN, &headers, Bytes::new()).await

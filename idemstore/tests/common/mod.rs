@@ -100,15 +100,133 @@ pub async fn waiter_woken_by_release<B: Backend>(backend: B) {
     assert_ne!(second, token);
 }
 
+/// A `busy` answer's remaining lock time; anything else, or an unknown time, panics.
+pub fn busy_remaining(begun: Begin) -> Duration {
+    match begun {
+        Begin::Busy { remaining: Some(remaining) } => remaining,
+        other => panic!("expected busy with the lock's remaining time, got {other:?}"),
+    }
+}
+
+/// When a lock was taken and when a `busy` answer about it was asked for.
+#[derive(Debug, Clone, Copy)]
+pub struct LockTimes {
+    /// The lock's time-to-live.
+    pub ttl: Duration,
+    /// Just before the call that took the lock, and just after it returned.
+    pub lock_sent: Instant,
+    pub lock_done: Instant,
+    /// The attempt the `busy` answer reports on came no earlier than this...
+    pub attempt_not_before: Instant,
+    /// ...and no later than this (the answer arrived).
+    pub answered: Instant,
+}
+
+impl LockTimes {
+    /// `remaining` is what the lock really had left at the last attempt: more than zero, at
+    /// most the TTL, and within what the clocks around the calls allow (2 ms for Redis's
+    /// whole-millisecond PTTL and the header's rounding up).
+    pub fn check(&self, remaining: Duration) {
+        let slack = Duration::from_millis(2);
+        let held_at_least = self.attempt_not_before.saturating_duration_since(self.lock_done);
+        let held_at_most = self.answered.saturating_duration_since(self.lock_sent);
+        let most = self.ttl.saturating_sub(held_at_least) + slack;
+        let least = self.ttl.saturating_sub(held_at_most).saturating_sub(slack);
+        assert!(remaining > Duration::ZERO && remaining <= self.ttl, "remaining {remaining:?}, {self:?}");
+        assert!(
+            remaining <= most && remaining >= least,
+            "remaining {remaining:?} not in {least:?}..={most:?}"
+        );
+    }
+}
+
 pub async fn busy_after_wait<B: Backend>(store: &Store<B>) {
     let key = key();
+    let lock_sent = Instant::now();
     lock(store, &key).await;
+    let lock_done = Instant::now();
     let started = Instant::now();
     let wait = Duration::from_millis(300);
-    assert_eq!(store.begin(&key, &hash('a'), TTL, wait).await.unwrap(), Begin::Busy);
-    let took = started.elapsed();
+    let begun = store.begin(&key, &hash('a'), TTL, wait).await.unwrap();
+    let answered = Instant::now();
+    let took = answered - started;
     assert!(took >= wait && took < wait + Duration::from_millis(600), "busy after {took:?}");
+    // From the last attempt, made at the deadline, not the first one.
+    let attempt_not_before = started + wait;
+    LockTimes { ttl: TTL, lock_sent, lock_done, attempt_not_before, answered }.check(busy_remaining(begun));
     assert!(store.waiters().is_empty());
+}
+
+/// A zero wait is one attempt: `busy` at once, with what the lock still has (less than its
+/// TTL: it was taken a while before).
+pub async fn busy_at_once_without_wait<B: Backend>(store: &Store<B>) {
+    let key = key();
+    let ttl = Duration::from_secs(2);
+    let lock_sent = Instant::now();
+    let begun = store.begin(&key, &hash('a'), ttl, Duration::ZERO).await.unwrap();
+    let lock_done = Instant::now();
+    assert!(matches!(begun, Begin::Locked { .. }), "a zero wait still takes a free lock: {begun:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for _ in 0..3 {
+        let started = Instant::now();
+        let begun = store.begin(&key, &hash('a'), TTL, Duration::ZERO).await.unwrap();
+        let answered = Instant::now();
+        let took = answered - started;
+        assert!(took < Duration::from_millis(100), "busy after {took:?}");
+        let remaining = busy_remaining(begun);
+        LockTimes { ttl, lock_sent, lock_done, attempt_not_before: started, answered }.check(remaining);
+        assert!(
+            remaining < ttl - Duration::from_millis(150),
+            "{remaining:?}: the lock's real remaining time"
+        );
+    }
+    assert_eq!(store.parked(), 0, "a zero wait never parks");
+    assert!(store.waiters().is_empty());
+}
+
+/// The same over HTTP: `x-idem-lock-remaining-ms` on `busy`, after a zero wait and after a
+/// wait that runs out; never on other answers.
+pub async fn lock_remaining_over_http<B: Backend>(store: Arc<Store<B>>) {
+    let addr = client::serve_store(store, idemstore::http::Options::new(1024)).await;
+    for version in [client::Version::H1, client::Version::H2c] {
+        let client = client::Client::new(addr, version).await;
+        let (key, hash) = (key(), hash('a'));
+        let ttl = Duration::from_secs(2);
+        let lock_sent = Instant::now();
+        let locked = client.begin_with_ttl(&key, &hash, "2000", "0").await;
+        let lock_done = Instant::now();
+        assert_eq!(locked.outcome(), "locked");
+        assert_eq!(locked.lock_remaining(), None);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+
+        let started = Instant::now();
+        let busy = client.begin(&key, &hash, "0").await;
+        let answered = Instant::now();
+        assert_eq!((busy.status.as_u16(), busy.outcome(), &busy.body[..]), (200, "busy", &b""[..]));
+        assert!(answered - started < Duration::from_millis(100), "busy after {:?}", answered - started);
+        let remaining = busy.lock_remaining().expect("busy carries the lock's remaining time");
+        LockTimes { ttl, lock_sent, lock_done, attempt_not_before: started, answered }.check(remaining);
+
+        let started = Instant::now();
+        let wait = Duration::from_millis(300);
+        let busy = client.begin(&key, &hash, "300").await;
+        let answered = Instant::now();
+        assert_eq!(busy.outcome(), "busy");
+        assert!(answered - started >= wait, "busy after {:?}", answered - started);
+        let remaining = busy.lock_remaining().expect("busy carries the lock's remaining time");
+        let attempt_not_before = started + wait;
+        LockTimes { ttl, lock_sent, lock_done, attempt_not_before, answered }.check(remaining);
+
+        assert_eq!(client.release(&key, &locked.token()).await.outcome(), "released");
+        let again = client.begin(&key, &hash, "0").await;
+        assert_eq!((again.outcome(), again.lock_remaining()), ("locked", None));
+        let record = Bytes::from_static(b"rec");
+        assert_eq!(client.commit(&key, &again.token(), &hash, record.clone()).await.outcome(), "stored");
+        let replay = client.begin(&key, &hash, "0").await;
+        assert_eq!((replay.outcome(), replay.lock_remaining(), &replay.body), ("record", None, &record));
+        let mismatch = client.begin(&key, &self::hash('b'), "0").await;
+        assert_eq!((mismatch.outcome(), mismatch.lock_remaining()), ("mismatch", None));
+    }
 }
 
 pub async fn mismatch<B: Backend>(store: &Store<B>) {
@@ -218,7 +336,9 @@ pub async fn waiter_on_other_instance<B: Backend>(one: Store<B>, two: Store<B>) 
 /// Shutdown ends waits with `busy` instead of sitting them out.
 pub async fn stop_waiting_answers_busy<B: Backend>(store: Arc<Store<B>>) {
     let key = key();
+    let lock_sent = Instant::now();
     lock(&store, &key).await;
+    let lock_done = Instant::now();
     let waiter = tokio::spawn({
         let (store, key) = (Arc::clone(&store), key.clone());
         async move { store.begin(&key, &hash('a'), TTL, WAIT).await.unwrap() }
@@ -226,8 +346,12 @@ pub async fn stop_waiting_answers_busy<B: Backend>(store: Arc<Store<B>>) {
     tokio::time::sleep(Duration::from_millis(50)).await;
     let started = Instant::now();
     store.stop_waiting();
-    assert_eq!(waiter.await.unwrap(), Begin::Busy);
-    assert!(started.elapsed() < Duration::from_millis(500));
+    let remaining = busy_remaining(waiter.await.unwrap());
+    let answered = Instant::now();
+    assert!(answered - started < Duration::from_millis(500));
+    // With the holder's remaining time from the waiter's last attempt (which may have been
+    // under way when the stop came, so only known to follow the lock).
+    LockTimes { ttl: TTL, lock_sent, lock_done, attempt_not_before: lock_done, answered }.check(remaining);
 }
 
 /// A store whose re-checks never come within a test (60 s), so only a wake-up can end a wait

@@ -1,0 +1,155 @@
+//! What a retry gets from its key's record: the stored answer, or the reason it cannot have it.
+//!
+//! In order: a record made for another request (target or a fingerprinted header differs) is a
+//! `422`, never a replay; an answer recorded without its body replays its status and headers
+//! with an empty body and `body_omitted_header`; an answer in a content coding the retry does not
+//! accept is a `406` problem (the upstream does not run again: the retry can ask once more with
+//! that coding, and gets the stored bytes); anything else replays as stored. Every replay carries
+//! `replay_header`.
+
+use crate::config::Config;
+use crate::fingerprint::RequestPrint;
+use crate::headers;
+use crate::metrics::Metric;
+use crate::problem::{self, LocalResponse};
+use crate::record::Record;
+
+/// The answer for a retry whose request has `print` and these `accept-encoding` values, and the
+/// counter it goes on.
+pub fn answer(
+    cfg: &Config,
+    record: Record,
+    print: Option<&RequestPrint>,
+    accept_encoding: &[Vec<u8>],
+) -> (LocalResponse, Metric) {
+    let replayed = (cfg.replay_header.clone(), "true".to_string());
+    if let Some(status) = cfg.inbox().and_then(|i| i.duplicate_status) {
+        return (
+            LocalResponse { status: u32::from(status), headers: vec![replayed], body: Vec::new() },
+            Metric::Replayed,
+        );
+    }
+    if let (Some(made_for), Some(retry)) = (&record.print, print) {
+        if let Some(what) = made_for.differs_from(retry) {
+            return (problem::key_reused(&what), Metric::Mismatched);
+        }
+    }
+    let mut headers = record.headers;
+    if record.body_omitted {
+        // No bytes to read: nothing may say how to read them.
+        headers.retain(|(n, _)| n != "content-encoding" && n != "content-range");
+        headers.push(replayed);
+        headers.push((cfg.body_omitted_header.clone(), "true".to_string()));
+        return (
+            LocalResponse { status: u32::from(record.status), headers, body: Vec::new() },
+            Metric::Replayed,
+        );
+    }
+    let coding = headers.iter().find(|(n, _)| n == "content-encoding");
+    if let Some(refused) = coding.and_then(|(_, v)| headers::refused_coding(accept_encoding, v.as_bytes())) {
+        return (problem::encoding_not_acceptable(&refused), Metric::Rejected);
+    }
+    headers.push(replayed);
+    (LocalResponse { status: u32::from(record.status), headers, body: record.body }, Metric::Replayed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fingerprint::Differs;
+
+    fn cfg(extra: &str) -> Config {
+        Config::from_json(format!(r#"{{"store_cluster":"s"{extra}}}"#).as_bytes()).unwrap()
+    }
+
+    fn print(target: u8) -> RequestPrint {
+        RequestPrint { target: [target; 32], headers: vec![("x-tenant".into(), [1; 32])] }
+    }
+
+    fn record(headers: &[(&str, &str)], body: &[u8]) -> Record {
+        Record {
+            status: 201,
+            headers: headers.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect(),
+            body: body.to_vec(),
+            body_omitted: false,
+            print: Some(print(1)),
+        }
+    }
+
+    fn header<'a>(r: &'a LocalResponse, name: &str) -> Option<&'a str> {
+        r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn replays_exactly_with_the_replay_header() {
+        let body: Vec<u8> = (0..=255).collect();
+        let rec = record(&[("content-type", "application/octet-stream"), ("location", "/o/1")], &body);
+        let (r, m) = answer(&cfg(""), rec, Some(&print(1)), &[]);
+        assert_eq!(m, Metric::Replayed);
+        assert_eq!((r.status, r.body.as_slice()), (201, body.as_slice()));
+        assert_eq!(
+            r.headers,
+            vec![
+                ("content-type".into(), "application/octet-stream".into()),
+                ("location".into(), "/o/1".into()),
+                ("x-idempotent-replay".into(), "true".into())
+            ]
+        );
+    }
+
+    #[test]
+    fn another_request_is_422_never_a_replay() {
+        let (r, m) = answer(&cfg(""), record(&[], b"{}"), Some(&print(2)), &[]);
+        assert_eq!((r.status, m), (422, Metric::Mismatched));
+        assert_eq!(r.body, problem::key_reused(&Differs::Target).body);
+        let mut other = print(1);
+        other.headers[0].1 = [2; 32];
+        let (r, _) = answer(&cfg(""), record(&[], b"{}"), Some(&other), &[]);
+        assert_eq!(r.body, problem::key_reused(&Differs::Header("x-tenant".into())).body);
+        // A record without a print (the first format) replays as it did.
+        let old = Record { print: None, ..record(&[], b"{}") };
+        assert_eq!(answer(&cfg(""), old, Some(&print(2)), &[]).1, Metric::Replayed);
+    }
+
+    #[test]
+    fn omitted_bodies_replay_empty_and_say_so() {
+        let rec = Record {
+            body_omitted: true,
+            body: vec![],
+            ..record(&[("content-type", "application/json"), ("content-encoding", "gzip")], b"")
+        };
+        let (r, m) = answer(&cfg(""), rec, Some(&print(1)), &[]);
+        assert_eq!((r.status, m), (201, Metric::Replayed));
+        assert!(r.body.is_empty());
+        assert_eq!(header(&r, "x-idempotent-body-omitted"), Some("true"));
+        assert_eq!(header(&r, "x-idempotent-replay"), Some("true"));
+        assert_eq!(header(&r, "content-type"), Some("application/json"));
+        assert_eq!(header(&r, "content-encoding"), None, "no bytes to decode");
+    }
+
+    #[test]
+    fn a_coding_the_retry_refuses_is_406() {
+        let rec =
+            || record(&[("content-type", "application/json"), ("content-encoding", "gzip")], b"\x1f\x8b");
+        let (r, m) = answer(&cfg(""), rec(), Some(&print(1)), &[b"gzip, br".to_vec()]);
+        assert_eq!((r.status, m), (201, Metric::Replayed));
+        assert_eq!(header(&r, "content-encoding"), Some("gzip"));
+        assert_eq!(r.body, b"\x1f\x8b");
+        for accept in [vec![], vec![b"br".to_vec()], vec![b"gzip;q=0".to_vec()]] {
+            let (r, m) = answer(&cfg(""), rec(), Some(&print(1)), &accept);
+            assert_eq!((r.status, m), (406, Metric::Rejected), "{accept:?}");
+            let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(v["code"], "encoding-not-acceptable");
+        }
+        // A mismatch is said first: the stored bytes are not this request's either way.
+        assert_eq!(answer(&cfg(""), rec(), Some(&print(2)), &[]).0.status, 422);
+    }
+
+    #[test]
+    fn inbox_duplicate_status_is_bare() {
+        let c = cfg(r#","mode":"inbox","inbox":{"duplicate_status":202}"#);
+        let (r, m) = answer(&c, Record::status_only(200), None, &[]);
+        assert_eq!((r.status, m), (202, Metric::Replayed));
+        assert_eq!(r.headers, vec![("x-idempotent-replay".into(), "true".into())]);
+    }
+}
