@@ -47,6 +47,10 @@ struct Shared {
     callouts: HashMap<u32, Job>,
     /// Records recently replayed by this VM, to answer their retries without a store call.
     recent: Recent,
+    /// The content type a local answer must have where Envoy changes it (it drops one from an
+    /// answer without a body, and labels a body without one `text/plain`), by stream: set (or
+    /// removed, `None`) when the answer passes this filter's response callback.
+    restore: HashMap<u32, Option<String>>,
 }
 
 struct Entry {
@@ -134,6 +138,7 @@ impl Root {
             outbox: Vec::new(),
             callouts: HashMap::new(),
             recent,
+            restore: HashMap::new(),
         })))
     }
 }
@@ -534,6 +539,15 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, caller: Calle
                     r.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
                 if let Err(s) = hostcalls::send_http_response(r.status, headers, Some(&r.body)) {
                     log::warn!("cannot send local response {}: {s:?}", r.status);
+                } else {
+                    // A replay says what the upstream said: a 204 with a content type, or a body
+                    // left out, keeps it; bytes the upstream did not label stay unlabelled.
+                    let content_type = r.headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v);
+                    if r.body.is_empty() == content_type.is_some() {
+                        if let Ok(mut s) = shared.try_borrow_mut() {
+                            s.restore.insert(stream_id, content_type.cloned());
+                        }
+                    }
                 }
             }
             Effect::Resume => {
@@ -660,8 +674,33 @@ impl HttpStream {
     }
 }
 
+impl HttpStream {
+    /// Gives this stream's local answer the content type it was sent with (see
+    /// `Shared::restore`).
+    fn restore_local_headers(&self) {
+        let Some(shared) = &self.shared else { return };
+        let Some(content_type) = (match shared.try_borrow_mut() {
+            Ok(mut s) if !s.restore.is_empty() => s.restore.remove(&self.id),
+            _ => None,
+        }) else {
+            return;
+        };
+        let value = content_type.as_deref();
+        if let Err(s) = hostcalls::set_map_value(MapType::HttpResponseHeaders, "content-type", value) {
+            log::debug!("cannot set the content type of a local answer: {s:?}");
+        }
+    }
+}
+
 impl Context for HttpStream {
     fn on_done(&mut self) -> bool {
+        if let Some(shared) = &self.shared {
+            if let Ok(mut s) = shared.try_borrow_mut() {
+                if !s.restore.is_empty() {
+                    s.restore.remove(&self.id);
+                }
+            }
+        }
         if self.passive {
             return true;
         }
@@ -700,6 +739,7 @@ impl HttpContext for HttpStream {
     }
 
     fn on_http_response_headers(&mut self, _n: usize, end_of_stream: bool) -> HostAction {
+        self.restore_local_headers();
         self.run(|s, v| s.on_response_headers(v, end_of_stream))
     }
 

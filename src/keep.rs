@@ -39,6 +39,20 @@ pub struct Head<'a> {
     pub upgrade: bool,
     /// The recorded headers fit a record (see [`crate::record::headers_fit`]).
     pub headers_fit: bool,
+    /// Each header that says how to read the body ([`crate::headers::REPRESENTATION`]) is there
+    /// at most once, with a value a record can keep: else a replay could not say it the same way.
+    pub readable: bool,
+}
+
+impl Head<'_> {
+    /// [`Head::readable`] for a response whose header values `values_of` gives.
+    pub fn readable_with(values_of: impl Fn(&str) -> Vec<Vec<u8>>) -> bool {
+        crate::headers::REPRESENTATION.iter().all(|name| match values_of(name).as_slice() {
+            [] => true,
+            [one] => crate::headers::is_valid_value(one),
+            _ => false,
+        })
+    }
 }
 
 /// The decision on the response headers. [`Keep::Full`] may still become another decision
@@ -52,10 +66,15 @@ pub fn on_head(cfg: &Config, head: &Head) -> Keep {
         let whole = cfg.inbox().is_some_and(|i| i.duplicate_status.is_none())
             && replayable(cfg, head)
             && head.headers_fit
+            && head.readable
             && head.length.is_none_or(|n| n <= cfg.max_record_bytes as u64);
         return if whole { Keep::Full } else { Keep::StatusOnly };
     }
-    if !cfg.store_statuses.contains(head.status) || !replayable(cfg, head) || !head.headers_fit {
+    if !cfg.store_statuses.contains(head.status)
+        || !replayable(cfg, head)
+        || !head.headers_fit
+        || !head.readable
+    {
         return Keep::Release;
     }
     if head.length.is_some_and(|n| n > cfg.max_record_bytes as u64) {
@@ -245,7 +264,14 @@ mod tests {
     }
 
     fn head(status: u16, ct: Option<&'static str>) -> Head<'static> {
-        Head { status, content_type: ct.map(str::as_bytes), length: None, upgrade: false, headers_fit: true }
+        Head {
+            status,
+            content_type: ct.map(str::as_bytes),
+            length: None,
+            upgrade: false,
+            headers_fit: true,
+            readable: true,
+        }
     }
 
     #[test]
@@ -302,6 +328,10 @@ mod tests {
         let mut wide = head(201, None);
         wide.headers_fit = false;
         assert_eq!(on_head(&c, &wide), Keep::Release);
+        let mut ambiguous = head(201, Some("application/json"));
+        ambiguous.readable = false;
+        assert_eq!(on_head(&c, &ambiguous), Keep::Release);
+        assert_eq!(on_head(&cfg(r#","mode":"inbox""#), &ambiguous), Keep::StatusOnly);
     }
 
     #[test]
@@ -354,6 +384,18 @@ mod tests {
         assert_eq!(too_large(&c), Keep::StatusOnly);
         let d = cfg(r#","mode":"inbox","inbox":{"duplicate_status":204}"#);
         assert_eq!(on_head(&d, &head(200, Some("application/json"))), Keep::StatusOnly);
+    }
+
+    #[test]
+    fn readable_means_once_and_recordable() {
+        let of = |pairs: &'static [(&'static str, &'static [u8])]| {
+            move |name: &str| pairs.iter().filter(|(n, _)| *n == name).map(|(_, v)| v.to_vec()).collect()
+        };
+        assert!(Head::readable_with(of(&[("content-type", b"text/plain"), ("content-encoding", b"gzip")])));
+        assert!(Head::readable_with(of(&[("location", b"/a"), ("location", b"/b")])));
+        assert!(!Head::readable_with(of(&[("content-type", b"text/plain"), ("content-type", b"text/html")])));
+        assert!(!Head::readable_with(of(&[("content-type", b"application/json\xff")])));
+        assert!(!Head::readable_with(of(&[("content-encoding", b"gzip"), ("content-encoding", b"br")])));
     }
 
     #[test]

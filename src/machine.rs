@@ -556,6 +556,7 @@ impl Stream {
                     length,
                     upgrade: !view.response_header("upgrade").is_empty(),
                     headers_fit: record::headers_fit(&recorded),
+                    readable: Head::readable_with(|name| view.response_header(name)),
                 };
                 let keep = keep::on_head(&self.cfg, &head);
                 let needs_empty = keep::needs_empty_body(&self.cfg, &head);
@@ -726,15 +727,16 @@ impl Stream {
         if !gone {
             effects.push(Effect::Respond(answer.to_local_response()));
         }
-        let headers = self.recorded_headers(|name| {
-            answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
-        });
+        let values_of =
+            |name: &str| answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect();
+        let headers = self.recorded_headers(values_of);
         let head = Head {
             status: answer.status,
             content_type: answer.header("content-type"),
             length: Some(answer.body.len() as u64),
             upgrade: answer.header("upgrade").is_some(),
             headers_fit: record::headers_fit(&headers),
+            readable: Head::readable_with(values_of),
         };
         let keep = match keep::on_head(&self.cfg, &head) {
             Keep::Full if keep::needs_empty_body(&self.cfg, &head) && !answer.body.is_empty() => {

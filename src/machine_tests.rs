@@ -194,7 +194,10 @@ fn store_key_scope() {
 fn begin_answers_replay_reject_or_execute() {
     let record = Record {
         status: 201,
-        headers: vec![("location".into(), "/orders/1".into())],
+        headers: vec![
+            ("location".into(), "/orders/1".into()),
+            ("content-type".into(), "application/json".into()),
+        ],
         body: b"{\"id\":1}".to_vec(),
         ..Record::default()
     };
@@ -222,7 +225,11 @@ fn begin_answers_replay_reject_or_execute() {
     assert_eq!(r.body, b"{\"id\":1}");
     assert_eq!(
         r.headers,
-        vec![("location".into(), "/orders/1".into()), ("x-replayed".into(), "true".into())]
+        vec![
+            ("location".into(), "/orders/1".into()),
+            ("content-type".into(), "application/json".into()),
+            ("x-replayed".into(), "true".into())
+        ]
     );
 }
 

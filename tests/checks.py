@@ -14,15 +14,19 @@ PANIC = re.compile(r"panicked at|Uncaught RuntimeError|wasm trap|Function: proxy
                    re.IGNORECASE)
 
 
-def assert_problem(resp: Response, status: int, raw_key: str | bytes | None = None) -> dict:
-    """An RFC 9457 problem produced by the filter: status, content type, type/title/status/detail."""
+def assert_problem(resp: Response, status: int, raw_key: str | bytes | None = None,
+                   code: str | None = None) -> dict:
+    """An RFC 9457 problem produced by the filter: status, content type, type/title/status/detail
+    and the stable `code` member (a non-empty string; equal to `code` when given)."""
     assert resp.status == status, resp
     ctype = resp.header("content-type") or ""
     assert ctype.split(";")[0].strip().lower() == "application/problem+json", resp
     doc = json.loads(resp.body)
     assert isinstance(doc, dict), resp
-    for field in ("type", "title", "detail"):
+    for field in ("type", "title", "detail", "code"):
         assert isinstance(doc.get(field), str) and doc[field], (field, resp)
+    if code is not None:
+        assert doc["code"] == code, (code, resp)
     assert doc.get("status") == status, resp
     assert resp.header(REPLAY) is None, resp
     if raw_key:

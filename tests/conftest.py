@@ -31,6 +31,16 @@ LISTENERS: dict[str, dict] = {
     # The subject from dynamic metadata, as jwt_authn would write it (here header_to_metadata
     # copies x-user into namespace `auth`, key `sub`, and removes the header).
     "subject_metadata": {"subject": {"metadata": {"filter": "auth", "path": ["sub"]}}},
+    # Record v2 (issue 14, test_record.py): no lock wait (a duplicate in flight is a 409 at
+    # once, retry-after from the lock's time left), other statuses kept, the fingerprint
+    # widened to a header and compared as JSON, content types narrowed, and the old release
+    # of answers too large to record.
+    "strict": {"lock_wait_ms": 0, "lock_ttl_ms": 10000},
+    "statuses": {"store_statuses": ["2xx", "4xx"]},
+    "fingerprint": {"fingerprint_headers": ["x-tenant"],
+                    "fingerprint_json": {"canonical": True, "ignore": ["/client_sent_at"]}},
+    "json_only": {"store_content_types": ["application/json", "+json"]},
+    "release_large": {"record_too_large": "release", "max_record_bytes": 65536},
 }
 
 # HTTP filters that run before the idempotency filter on some listeners.

@@ -96,15 +96,16 @@ def test_non_2xx_is_not_stored(stack, status):
     assert stack.upstream.count(key=key) == 3
 
 
-def test_2xx_text_plain_is_not_stored(stack):
+def test_2xx_text_plain_is_stored_and_replayed(stack):
     key = new_key()
     hdrs = [("x-test-content-type", "text/plain"), ("x-test-body", "created")]
     first = stack.post("/orders", "{}", key, headers=hdrs)
     assert_executed(first, 201)
     assert first.body == b"created"
     retry = stack.post("/orders", "{}", key, headers=hdrs)
-    assert_executed(retry, 201)
-    assert stack.upstream.count(key=key) == 2
+    assert_replay_of(retry, first)
+    assert retry.header("content-type") == "text/plain"
+    assert stack.upstream.count(key=key) == 1
 
 
 def test_unguarded_method_with_key_runs_every_time(stack):
@@ -157,13 +158,17 @@ def test_large_response_within_record_limit_replays_exactly(stack):
     assert stack.upstream.count(key=key) == 1
 
 
-def test_response_over_record_limit_passes_through_unstored(stack):
+def test_response_over_record_limit_is_recorded_without_its_body(stack):
     key = new_key()
     hdrs = [("x-test-body-bytes", str(1048576 + 1024))]
     first = stack.post("/orders", "{}", key, headers=hdrs)
     assert_executed(first, 201)
     assert len(first.body) == 1048576 + 1024
+    stack.wait_counter("stored", 1)
     retry = stack.post("/orders", "{}", key, headers=hdrs)
-    assert_executed(retry, 201)
-    assert len(retry.body) == 1048576 + 1024
-    assert stack.upstream.count(key=key) == 2
+    assert retry.status == 201, retry
+    assert retry.body == b"", retry
+    assert retry.header(REPLAY) == "true", retry
+    assert retry.header("x-idempotent-body-omitted") == "true", retry
+    assert retry.header("location") == first.header("location"), retry
+    assert stack.upstream.count(key=key) == 1

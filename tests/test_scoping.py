@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from checks import assert_executed, assert_replay_of, body_json
+from checks import assert_executed, assert_problem, assert_replay_of, body_json
 from harness import new_key
 
 
@@ -62,12 +62,17 @@ def test_named_routes_are_separate_scopes(stack):
     assert stack.upstream.count(key=key) == 2
 
 
-def test_named_route_scope_is_the_name_not_the_path(stack):
+def test_named_route_scope_is_the_name_and_the_target_is_fingerprinted(stack):
     key = new_key()
     first = stack.post("/orders/one", "{}", key)
     assert_executed(first, 201)
-    # Same route name (`orders`), other path: the same record.
-    assert_replay_of(stack.post("/orders/two", "{}", key), first)
+    # Same route name (`orders`), so the same record; but it answers another target: 422,
+    # never a replay, and nothing runs.
+    other = stack.post("/orders/two", "{}", key)
+    doc = assert_problem(other, 422, raw_key=key)
+    assert doc["code"] == "key-reused" and doc["differs"] == "target", doc
+    assert stack.upstream.count(key=key) == 1
+    assert_replay_of(stack.post("/orders/one", "{}", key), first)
     assert stack.upstream.count(key=key) == 1
 
 
@@ -80,11 +85,13 @@ def test_unnamed_route_scope_is_the_path_without_query(stack):
     assert_executed(b, 201)
     assert stack.upstream.count(key=key) == 2
 
+    # One scope for both queries, but the query is part of the target: 422, not a replay.
     key2 = new_key()
     q1 = stack.post(f"{base}/a?x=1", "{}", key2)
     assert_executed(q1, 201)
     q2 = stack.post(f"{base}/a?x=2", "{}", key2)
-    assert_replay_of(q2, q1)
+    assert assert_problem(q2, 422, raw_key=key2)["differs"] == "target"
+    assert_replay_of(stack.post(f"{base}/a?x=1", "{}", key2), q1)
     assert stack.upstream.count(key=key2) == 1
 
 

@@ -24,6 +24,21 @@ How an execution answers is chosen per request by headers, so each test picks it
 * ``x-test-reset``: record the execution, then close the connection with a TCP reset instead
   of answering.
 
+The answer's bytes and headers can be chosen exactly (the first of the body headers given wins:
+``x-test-body-b64``, ``x-test-body-pattern``, ``x-test-body``, else the default JSON document):
+
+* ``x-test-body-b64``: the response body is this value base64-decoded, verbatim (any bytes).
+* ``x-test-body-pattern``: a generated body, for sizes too large for a request header:
+  ``allbytes:N`` is the bytes 0..255 repeated to exactly N bytes, ``text:N`` the ASCII line
+  ``0123456789abcdef...`` repeated to exactly N bytes.
+* ``x-test-header`` (repeatable): ``name: value`` added to the response as it is. One named
+  ``content-type`` replaces the default content type (``x-test-content-type`` too).
+* ``x-test-no-content-type``: send no ``content-type`` header at all.
+* ``x-test-gzip``: gzip the chosen body (mtime 0, so the same body gives the same bytes) and
+  send ``content-encoding: gzip``.
+* ``x-test-chunked``: send the body with ``transfer-encoding: chunked`` (chunks of at most
+  64 KiB) instead of a ``content-length``.
+
 The default body is JSON with a fresh per-execution id (``thing_000001``, ...), the method,
 path, key, and the request body (as text when short, else its length and SHA-256), plus a
 ``location: /things/<id>`` header.
@@ -32,6 +47,8 @@ path, key, and the request body (as text when short, else its length and SHA-256
 from __future__ import annotations
 
 import argparse
+import base64
+import gzip
 import hashlib
 import json
 import socket
@@ -44,6 +61,28 @@ import testserver
 from urllib.parse import parse_qs, urlsplit
 
 ECHO_LIMIT = 4096
+CHUNK = 64 * 1024
+
+
+def parse_header_line(line: str) -> tuple[str, str]:
+    """`name: value` (an ``x-test-header`` value) as a response header."""
+    name, sep, value = line.partition(":")
+    if not sep or not name.strip():
+        raise ValueError(f"x-test-header wants 'name: value', got {line!r}")
+    return name.strip(), value.strip()
+
+
+def body_pattern(spec: str) -> bytes:
+    """``allbytes:N`` (bytes 0..255 repeated) or ``text:N`` (hex digits repeated), N bytes."""
+    kind, _, n = spec.partition(":")
+    size = int(n)
+    if kind == "allbytes":
+        unit = bytes(range(256))
+    elif kind == "text":
+        unit = b"0123456789abcdef"
+    else:
+        raise ValueError(f"unknown x-test-body-pattern {spec!r}")
+    return (unit * (size // len(unit) + 1))[:size]
 
 
 class State:
@@ -129,14 +168,23 @@ class Handler(testserver.Handler):
         length = int(self.headers.get("content-length") or 0)
         return self.rfile.read(length) if length else b""
 
-    def reply(self, status: int, body: bytes, headers: list[tuple[str, str]]) -> None:
+    def reply(self, status: int, body: bytes, headers: list[tuple[str, str]], chunked: bool = False) -> None:
         self.send_response(status)
         for name, value in headers:
             self.send_header(name, value)
-        if status not in (204, 304) and not (100 <= status < 200):
+        has_body = status not in (204, 304) and not (100 <= status < 200)
+        chunked = chunked and has_body and self.command != "HEAD"
+        if chunked:
+            self.send_header("transfer-encoding", "chunked")
+        elif has_body:
             self.send_header("content-length", str(len(body)))
         self.end_headers()
-        if body and status not in (204, 304) and self.command != "HEAD":
+        if chunked:
+            for i in range(0, len(body), CHUNK):
+                part = body[i:i + CHUNK]
+                self.wfile.write(b"%x\r\n" % len(part) + part + b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+        elif body and has_body and self.command != "HEAD":
             self.wfile.write(body)
         self.wfile.flush()
 
@@ -188,14 +236,26 @@ class Handler(testserver.Handler):
 
         status = int(self.headers.get("x-test-status") or 201)
         ctype = self.headers.get("x-test-content-type")
+        extra = [parse_header_line(v) for v in self.headers.get_all("x-test-header") or []]
+        if any(n.lower() == "content-type" for n, _ in extra):
+            ctype = None
+        no_ctype = bool(self.headers.get("x-test-no-content-type")) or any(
+            n.lower() == "content-type" for n, _ in extra)
         headers: list[tuple[str, str]] = [("location", f"/things/{ex['id']}"), ("x-upstream-id", ex["id"])]
+        headers += extra
         if status in (204, 304):
-            if ctype:
+            if ctype and not no_ctype:
                 headers.append(("content-type", ctype))
             self.reply(status, b"", headers)
             return
         override = self.headers.get("x-test-body")
-        if override is not None:
+        b64 = self.headers.get("x-test-body-b64")
+        pattern = self.headers.get("x-test-body-pattern")
+        if b64 is not None:
+            out = base64.b64decode(b64.strip(), validate=True)
+        elif pattern is not None:
+            out = body_pattern(pattern)
+        elif override is not None:
             out = override.encode("latin-1")
         else:
             doc = {
@@ -216,8 +276,12 @@ class Handler(testserver.Handler):
                 base = len(json.dumps(doc).encode())
                 doc["pad"] = "p" * max(0, want - base)
                 out = json.dumps(doc).encode()
-        headers.append(("content-type", ctype or "application/json"))
-        self.reply(status, out, headers)
+        if not no_ctype:
+            headers.append(("content-type", ctype or "application/json"))
+        if self.headers.get("x-test-gzip"):
+            out = gzip.compress(out, mtime=0)
+            headers.append(("content-encoding", "gzip"))
+        self.reply(status, out, headers, chunked=bool(self.headers.get("x-test-chunked")))
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = handle_any
 
