@@ -107,16 +107,27 @@ pub fn is_valid_value(value: &[u8]) -> bool {
     value.iter().all(|&b| b == b'\t' || (0x20..0x7f).contains(&b))
 }
 
-/// `application/json`, or any `+json` type such as `application/problem+json`, with parameters.
-pub fn is_json_content_type(value: &[u8]) -> bool {
-    let Ok(s) = std::str::from_utf8(value) else {
-        return false;
-    };
-    let essence = s.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    let Some((kind, subtype)) = essence.split_once('/') else {
-        return false;
-    };
-    kind == "application" && (subtype == "json" || subtype.ends_with("+json"))
+/// A media type's essence, lower-cased: `type/subtype` without parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MediaType {
+    pub kind: String,
+    pub subtype: String,
+}
+
+impl MediaType {
+    /// The essence of a `content-type` value, if it has the `type/subtype` form.
+    pub fn parse(value: &[u8]) -> Option<MediaType> {
+        let s = std::str::from_utf8(value).ok()?;
+        let essence = s.split(';').next()?.trim().to_ascii_lowercase();
+        let (kind, subtype) = essence.split_once('/')?;
+        let token = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic() && b != b'/');
+        (token(kind) && token(subtype)).then(|| MediaType { kind: kind.into(), subtype: subtype.into() })
+    }
+
+    /// True for the lower-case essence `want` (`"application/cloudevents+json"`).
+    pub fn is(&self, want: &str) -> bool {
+        want.split_once('/').is_some_and(|(k, s)| k == self.kind && s == self.subtype)
+    }
 }
 
 #[cfg(test)]
@@ -136,16 +147,17 @@ mod tests {
     }
 
     #[test]
-    fn json_types() {
-        assert!(is_json_content_type(b"application/json"));
-        assert!(is_json_content_type(b"application/json; charset=utf-8"));
-        assert!(is_json_content_type(b"Application/JSON"));
-        assert!(is_json_content_type(b"application/problem+json"));
-        assert!(!is_json_content_type(b"text/plain"));
-        assert!(!is_json_content_type(b"application/jsonx"));
-        assert!(!is_json_content_type(b"text/json"));
-        assert!(!is_json_content_type(b"\xff"));
-        assert!(!is_json_content_type(b""));
+    fn media_types() {
+        let m = MediaType::parse(b"Application/Problem+JSON; charset=utf-8").unwrap();
+        assert!(m.is("application/problem+json"));
+        assert!(!m.is("application/json"));
+        assert_eq!(
+            MediaType::parse(b" text/plain "),
+            Some(MediaType { kind: "text".into(), subtype: "plain".into() })
+        );
+        for bad in [&b""[..], b"json", b"/json", b"text/", b"a/b/c", b"\xff/x", b"te xt/plain"] {
+            assert_eq!(MediaType::parse(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -17,6 +17,7 @@ use serde_json::Value;
 use std::fmt;
 
 use crate::config::MessageIdSource;
+use crate::headers::MediaType;
 
 pub const STRUCTURED: &str = "application/cloudevents+json";
 pub const BATCH: &str = "application/cloudevents-batch+json";
@@ -135,10 +136,10 @@ pub fn from_body(src: &MessageIdSource, body: &[u8], max_len: usize) -> Result<M
     }
 }
 
-/// The media type of a `content-type` value (before any `;`), compared without case.
+/// True when a `content-type` value's essence is `want` (lower case), whatever its case and
+/// parameters.
 pub fn is_media_type(content_type: &[u8], want: &str) -> bool {
-    let media = content_type.split(|&b| b == b';').next().unwrap_or_default();
-    media.trim_ascii().eq_ignore_ascii_case(want.as_bytes())
+    MediaType::parse(content_type).is_some_and(|m| m.is(want))
 }
 
 fn single(values: Vec<Vec<u8>>) -> Result<Vec<u8>, IdError> {

@@ -14,6 +14,7 @@
 use std::fmt;
 
 use crate::config::{Config, TooLarge};
+use crate::headers::MediaType;
 
 /// What becomes of an answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,35 +121,18 @@ fn replayable(cfg: &Config, head: &Head) -> bool {
         // Unparseable: keep the bytes when every type is kept, refuse a narrowed list.
         return cfg.store_content_types.is_none();
     };
-    if media.is_stream() {
+    if is_stream(&media) {
         return false;
     }
     cfg.store_content_types.as_ref().is_none_or(|list| list.iter().any(|p| p.matches(&media)))
 }
 
-/// A media type's essence, lower-cased: `type/subtype` without parameters.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MediaType {
-    kind: String,
-    subtype: String,
-}
-
-impl MediaType {
-    pub fn parse(value: &[u8]) -> Option<MediaType> {
-        let s = std::str::from_utf8(value).ok()?;
-        let essence = s.split(';').next()?.trim().to_ascii_lowercase();
-        let (kind, subtype) = essence.split_once('/')?;
-        let token = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic() && b != b'/');
-        (token(kind) && token(subtype)).then(|| MediaType { kind: kind.into(), subtype: subtype.into() })
-    }
-
-    /// Answers that are read as they arrive, which a replay of stored bytes cannot be.
-    fn is_stream(&self) -> bool {
-        match (self.kind.as_str(), self.subtype.as_str()) {
-            ("text", "event-stream") | ("multipart", "x-mixed-replace") => true,
-            ("application", sub) => sub == "grpc" || sub.starts_with("grpc+") || sub.starts_with("grpc-web"),
-            _ => false,
-        }
+/// Answers that are read as they arrive, which a replay of stored bytes cannot be.
+fn is_stream(media: &MediaType) -> bool {
+    match (media.kind.as_str(), media.subtype.as_str()) {
+        ("text", "event-stream") | ("multipart", "x-mixed-replace") => true,
+        ("application", sub) => sub == "grpc" || sub.starts_with("grpc+") || sub.starts_with("grpc-web"),
+        _ => false,
     }
 }
 

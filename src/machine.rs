@@ -596,11 +596,11 @@ impl Stream {
         let State::Capturing { capture, .. } = &mut self.state else {
             return Step::go(vec![]);
         };
+        if chunk_len > 0 && capture.needs_empty {
+            let keep = keep::untyped_body(&self.cfg);
+            return Step::go(self.abandon_capture(keep));
+        }
         if chunk_len > 0 && !capture.omitted {
-            if capture.needs_empty {
-                let keep = keep::untyped_body(&self.cfg);
-                return Step::go(self.abandon_capture(keep));
-            }
             let chunk = if capture.body.len() + chunk_len > self.cfg.max_record_bytes {
                 None
             } else {

@@ -100,7 +100,12 @@ impl Recent {
         if !self.is_enabled() || expires_ms <= now_ms {
             return;
         }
+        let print = record
+            .print
+            .as_ref()
+            .map_or(0, |p| 32 + p.headers.iter().map(|(n, _)| n.len() + 56).sum::<usize>());
         let cost = ENTRY_OVERHEAD
+            + print
             + record.body.len()
             + record.headers.iter().map(|(n, v)| n.len() + v.len() + 48).sum::<usize>();
         // One record may not push out everything else.
