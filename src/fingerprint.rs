@@ -100,10 +100,14 @@ fn header_digest(values: &[Vec<u8>]) -> Digest32 {
 /// less the members `ignore` points at (array elements become `null`, so that positions do not
 /// shift), serialized compactly: insignificant whitespace never counts, member order counts
 /// unless `canonical`. A body that does not parse is hashed as its raw bytes, like without the
-/// option. Numbers keep their exact text (`1.0` is not `1`), strings their decoded value.
+/// option (behind a tag of its own, so that no raw body can spell a JSON body's hashed text).
+/// Numbers keep their exact text (`1.0` is not `1`), strings their decoded value.
 pub fn json_body_hash(body: &[u8], opts: &JsonPrint) -> Digest32 {
     let Ok(mut doc) = serde_json::from_slice::<Value>(body) else {
-        return Sha256::digest(body).into();
+        let mut h = Sha256::new();
+        h.update(b"idempotency-raw/v1\n");
+        h.update(body);
+        return h.finalize().into();
     };
     for pointer in &opts.ignore {
         remove(&mut doc, pointer);
@@ -124,7 +128,12 @@ fn remove(doc: &mut Value, pointer: &str) {
             map.shift_remove(&token);
         }
         Value::Array(items) => {
-            if let Some(item) = token.parse::<usize>().ok().and_then(|i| items.get_mut(i)) {
+            // RFC 6901 indexes: `0`, or digits without a leading zero (no sign, no `01`).
+            let index = (token == "0"
+                || (!token.starts_with('0') && token.bytes().all(|b| b.is_ascii_digit())))
+            .then(|| token.parse::<usize>().ok())
+            .flatten();
+            if let Some(item) = index.and_then(|i| items.get_mut(i)) {
                 *item = Value::Null;
             }
         }
@@ -272,11 +281,25 @@ mod tests {
     #[test]
     fn a_body_that_is_not_json_is_hashed_raw() {
         let c = opts(true, &["/a"]);
+        let raw_hash = |raw: &[u8]| -> Digest32 {
+            Sha256::new().chain_update(b"idempotency-raw/v1\n").chain_update(raw).finalize().into()
+        };
         for raw in [&b"not json"[..], b"", b"{\"a\":1", b"\xff\xfe", b"{\"a\":1} trailing"] {
-            let expected: Digest32 = Sha256::digest(raw).into();
-            assert_eq!(json_body_hash(raw, &c), expected, "{raw:?}");
+            assert_eq!(json_body_hash(raw, &c), raw_hash(raw), "{raw:?}");
         }
-        // Never the same as a JSON body's hash, whatever its text.
-        assert_ne!(json_body_hash(b"{}", &c), <Digest32>::from(Sha256::digest(b"{}")));
+        assert_ne!(json_body_hash(b"x", &c), json_body_hash(b"y", &c));
+        // Found by fuzz/ (config): a raw body spelling a JSON body's hashed text was the same request.
+        assert_ne!(json_body_hash(b"idempotency-json/v1\n{}", &c), json_body_hash(b"{}", &c));
+    }
+
+    #[test]
+    fn array_indexes_are_rfc_6901() {
+        let h = |ignore: &str, b: &str| json_body_hash(b.as_bytes(), &opts(true, &[ignore]));
+        assert_eq!(h("/items/1", r#"{"items":[1,2]}"#), h("/items/1", r#"{"items":[1,3]}"#));
+        assert_eq!(h("/items/0", r#"{"items":[1,2]}"#), h("/items/0", r#"{"items":[5,2]}"#));
+        // Found by fuzz/ (config): `01` and `+1` are not indexes (serde_json's pointer agrees).
+        for odd in ["/items/01", "/items/+1", "/items/-1", "/items/ 1"] {
+            assert_ne!(h(odd, r#"{"items":[1,2]}"#), h(odd, r#"{"items":[1,3]}"#), "{odd}");
+        }
     }
 }

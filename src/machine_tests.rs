@@ -589,10 +589,12 @@ fn json_fingerprint_ignores_order_whitespace_and_ignored_members() {
         ("/o", &[], br#"{"qty":1,"sku":"a","client_sent_at":"t1"}"#),
     );
     assert_eq!(counts(&effects), vec![Metric::Mismatched]);
-    // A body that is not JSON is hashed as its bytes under the option too.
+    // A body that is not JSON is compared as its bytes under the option too.
     let (effects, a, _) = record_then_retry(c, ("/o", &[], b"plain"), ("/o", &[], b"plain"));
-    assert_eq!(a.1, sha_hex(b"plain"));
+    assert_eq!(a.1, sha_hex(b"idempotency-raw/v1\nplain"));
     assert_eq!(counts(&effects), vec![Metric::Replayed]);
+    let (effects, ..) = record_then_retry(c, ("/o", &[], b"plain"), ("/o", &[], b"plain!"));
+    assert_eq!(counts(&effects), vec![Metric::Mismatched]);
 }
 
 #[test]

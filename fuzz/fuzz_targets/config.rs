@@ -3,15 +3,26 @@
 //! again as the same configuration. A refusal always names the offending key in its message.
 //! The environment (`store_secret_env`) is a fixed lookup: a valid secret, an invalid one, an
 //! empty one; neither a refusal nor a `Debug` of the configuration ever shows a secret.
+//!
+//! The same bytes are also a request body for `fingerprint_json`
+//! (`fingerprint::json_body_hash`), with pointer lists taken from the document (its members'
+//! paths, its strings that look like pointers) and odd fixed ones: it never panics, a body that
+//! is not JSON is hashed as its raw bytes (behind the raw tag) whatever the options, and for a
+//! JSON body neither the spacing nor (with `canonical`) the member order nor the value of an
+//! ignored member counts.
 
 #![no_main]
 
 use idempotency_filter::config::{
-    self, Config, FailureMode, Inbox, MessageIdSource, MissingId, Mode, StoreSecret, Subject,
+    self, Config, FailureMode, Inbox, JsonPrint, MessageIdSource, MissingId, Mode, StoreSecret, Subject,
+    TooLarge,
 };
+use idempotency_filter::fingerprint::{json_body_hash, Digest32};
 use idempotency_filter::headers;
+use idempotency_filter::keep::{MediaPattern, StatusSet};
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 
 /// An invalid secret in the environment: a refusal must not quote it.
 const BAD_SECRET: &str = "leaky secret";
@@ -44,6 +55,7 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
+    json_hash(data);
 });
 
 fn check(c: &Config) {
@@ -92,6 +104,39 @@ fn check(c: &Config) {
             assert!(!message_id.may_need_body(), "a body id cannot set a header that has gone on");
         }
     }
+    assert!(c.fingerprint_headers.len() <= config::MAX_FINGERPRINT_HEADERS);
+    for (i, h) in c.fingerprint_headers.iter().enumerate() {
+        assert!(headers::is_valid_name(h) && h.len() <= 255 && h != "idempotency-key", "{h:?}");
+        assert!(!c.fingerprint_headers[..i].contains(h), "{h:?} twice");
+    }
+    if let Some(j) = &c.fingerprint_json {
+        assert!(j.ignore.iter().all(|p| p.starts_with('/')), "{:?}", j.ignore);
+    }
+    assert!(!c.store_statuses.is_empty());
+    let mut again = StatusSet::empty();
+    for entry in c.store_statuses.entries() {
+        assert!(again.add(&entry), "{entry:?}");
+    }
+    assert_eq!(again, c.store_statuses, "entries() reads back as the same set");
+    for status in [0, 1, 100, 101, 199, 600, 699, 999, 1000, u16::MAX] {
+        assert!(!c.store_statuses.contains(status), "{status} kept");
+    }
+    if let Some(list) = &c.store_content_types {
+        assert!(!list.is_empty());
+        for p in list {
+            assert_eq!(MediaPattern::parse(&p.to_string()).as_ref(), Some(p), "{p}");
+        }
+    }
+    for h in [&c.replay_header, &c.body_omitted_header] {
+        assert!(headers::is_valid_name(h), "{h:?}");
+        assert!(!headers::is_never_replayed(h) && !headers::is_representation(h), "{h:?}");
+    }
+    assert_ne!(c.body_omitted_header, c.replay_header);
+    if c.inbox().is_some() {
+        assert!(c.fingerprint_headers.is_empty() && c.fingerprint_json.is_none());
+        assert_eq!(c.store_statuses, StatusSet::default());
+        assert_eq!(c.record_too_large, TooLarge::OmitBody);
+    }
     match &c.subject {
         Subject::ClientIp => {}
         Subject::Header(h) => assert!(headers::is_valid_name(h), "{h:?}"),
@@ -128,6 +173,12 @@ fn to_json(c: &Config) -> Value {
         record_cache_entries,
         record_cache_bytes,
         mode,
+        fingerprint_headers,
+        fingerprint_json,
+        store_statuses,
+        store_content_types,
+        record_too_large,
+        body_omitted_header,
     } = c;
     let subject = match subject {
         Subject::ClientIp => Value::Null,
@@ -177,9 +228,134 @@ fn to_json(c: &Config) -> Value {
         "record_cache_entries": record_cache_entries,
         "record_cache_bytes": record_cache_bytes,
         "mode": mode,
+        "fingerprint_headers": fingerprint_headers,
+        "fingerprint_json": fingerprint_json
+            .as_ref()
+            .map(|JsonPrint { canonical, ignore }| json!({ "canonical": canonical, "ignore": ignore })),
+        "store_statuses": store_statuses.entries(),
+        "store_content_types": store_content_types
+            .as_ref()
+            .map(|list| list.iter().map(ToString::to_string).collect::<Vec<_>>()),
+        "record_too_large": match record_too_large { TooLarge::OmitBody => "omit_body", TooLarge::Release => "release" },
+        "body_omitted_header": body_omitted_header,
     });
     if let Some(inbox) = inbox {
         out["inbox"] = inbox;
     }
     out
+}
+
+/// Pointers no document's paths give: the root, empty tokens, bad escapes, array indexes RFC 6901
+/// does not have.
+const ODD_POINTERS: [&str; 14] =
+    ["", "/", "//", "/~", "/~2", "/~01", "/~1", "/0", "/-", "/00", "/1/", "/a/b", "/message/messageId", "x"];
+
+/// At most this many pointers of each kind (bounds the work per input).
+const POINTERS: usize = 16;
+
+fn json_hash(body: &[u8]) {
+    let raw: Digest32 = Sha256::new().chain_update(b"idempotency-raw/v1\n").chain_update(body).finalize().into();
+    let Ok(doc) = serde_json::from_slice::<Value>(body) else {
+        for canonical in [true, false] {
+            let ignore = ODD_POINTERS.iter().map(|p| p.to_string()).collect();
+            assert_eq!(
+                json_body_hash(body, &JsonPrint { canonical, ignore }),
+                raw,
+                "not JSON: the raw bytes"
+            );
+        }
+        return;
+    };
+    // Arbitrary pointers: the document's strings that could be one, and the odd ones.
+    let mut strings = Vec::new();
+    strings_in(&doc, &mut strings);
+    strings.extend(ODD_POINTERS.iter().map(|p| p.to_string()));
+    // Pointers to members that exist: every other path of the document.
+    let mut paths = Vec::new();
+    paths_in(&doc, String::new(), &mut paths);
+    let paths: Vec<String> = paths.into_iter().step_by(2).take(POINTERS).collect();
+    let compact = serde_json::to_vec(&doc).expect("serializes");
+    let pretty = serde_json::to_vec_pretty(&doc).expect("serializes");
+    let mut reversed = doc.clone();
+    reverse_members(&mut reversed);
+    let reversed = serde_json::to_vec(&reversed).expect("serializes");
+    for ignore in [Vec::new(), strings, paths] {
+        for canonical in [true, false] {
+            let opts = JsonPrint { canonical, ignore: ignore.clone() };
+            let h = json_body_hash(body, &opts);
+            assert_eq!(h, json_body_hash(&compact, &opts), "spacing counted: {opts:?}");
+            assert_eq!(h, json_body_hash(&pretty, &opts), "spacing counted: {opts:?}");
+            if canonical {
+                assert_eq!(h, json_body_hash(&reversed, &opts), "member order counted: {opts:?}");
+            }
+            for p in ignore.iter().filter(|p| p.starts_with('/')) {
+                let mut changed = doc.clone();
+                let Some(v) = changed.pointer_mut(p) else { continue };
+                // A scalar, so that the document gets no deeper than the parser takes.
+                *v = if *v == Value::Bool(true) { Value::Bool(false) } else { Value::Bool(true) };
+                let changed = serde_json::to_vec(&changed).expect("serializes");
+                assert_eq!(h, json_body_hash(&changed, &opts), "ignored {p:?} counted: {opts:?}");
+            }
+        }
+    }
+}
+
+fn strings_in(v: &Value, out: &mut Vec<String>) {
+    if out.len() >= POINTERS {
+        return;
+    }
+    match v {
+        Value::String(s) => out.push(s.clone()),
+        Value::Array(items) => items.iter().for_each(|i| strings_in(i, out)),
+        Value::Object(map) => map.iter().for_each(|(k, v)| {
+            if out.len() < POINTERS {
+                out.push(k.clone());
+            }
+            strings_in(v, out);
+        }),
+        _ => {}
+    }
+}
+
+fn paths_in(v: &Value, at: String, out: &mut Vec<String>) {
+    if out.len() >= 2 * POINTERS {
+        return;
+    }
+    match v {
+        Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                if out.len() >= 2 * POINTERS {
+                    return;
+                }
+                let p = format!("{at}/{i}");
+                out.push(p.clone());
+                paths_in(item, p, out);
+            }
+        }
+        Value::Object(map) => {
+            for (k, item) in map {
+                if out.len() >= 2 * POINTERS {
+                    return;
+                }
+                let p = format!("{at}/{}", k.replace('~', "~0").replace('/', "~1"));
+                out.push(p.clone());
+                paths_in(item, p, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn reverse_members(v: &mut Value) {
+    match v {
+        Value::Array(items) => items.iter_mut().for_each(reverse_members),
+        Value::Object(map) => {
+            let members: Vec<(String, Value)> = std::mem::take(map).into_iter().rev().collect();
+            for (k, mut item) in members {
+                reverse_members(&mut item);
+                map.insert(k, item);
+            }
+        }
+        _ => {}
+    }
 }

@@ -5,10 +5,17 @@
 //! written as a token or as an sf-string. `store_key` is 64 lowercase hex characters,
 //! deterministic, and differs when any scope field differs (the fields are length-prefixed).
 //! The scope helpers never panic and keep their shape.
+//!
+//! Also the replay's content-coding check (`headers::refused_coding`, for the `406`): never
+//! panics on any `accept-encoding` values and `content-encoding`; what it refuses is one of the
+//! response's codings (lower-case, trimmed, never `identity` or empty) and is refused alone too;
+//! no `accept-encoding` refuses the first coding, `*` alone refuses none, and a retry that lists
+//! the response's codings first (without weights) is refused none.
 
 #![no_main]
 
 use arbitrary::Arbitrary;
+use idempotency_filter::headers;
 use idempotency_filter::key::{self, KeyError};
 use libfuzzer_sys::fuzz_target;
 
@@ -23,6 +30,68 @@ struct Input {
     path: String,
     source_address: String,
     bytes: Vec<u8>,
+    accept: Vec<Coding>,
+    content_encoding: Coding,
+}
+
+/// A header value of codings: a list of known ones with weights, or any bytes.
+#[derive(Arbitrary, Debug)]
+enum Coding {
+    List(Vec<(u8, Weight)>, bool),
+    Raw(Vec<u8>),
+}
+
+#[derive(Arbitrary, Debug)]
+enum Weight {
+    None,
+    Zero,
+    One,
+    Half,
+    Any(String),
+}
+
+const TOKENS: [&str; 12] = [
+    "gzip",
+    "x-gzip",
+    "GZip",
+    "br",
+    "deflate",
+    "identity",
+    "*",
+    "compress",
+    "x-compress",
+    "zstd",
+    "",
+    " br ",
+];
+
+impl Coding {
+    fn value(&self) -> Vec<u8> {
+        match self {
+            Coding::List(items, spaced) => items
+                .iter()
+                .take(8)
+                .map(|(t, w)| {
+                    let t = TOKENS[usize::from(*t) % TOKENS.len()];
+                    match w {
+                        Weight::None => t.to_string(),
+                        Weight::Zero => format!("{t};q=0"),
+                        Weight::One => format!("{t};q=1"),
+                        Weight::Half => format!("{t}; Q=0.5"),
+                        Weight::Any(w) => format!("{t};{w}"),
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(if *spaced { ", " } else { "," })
+                .into_bytes(),
+            Coding::Raw(b) => b.clone(),
+        }
+    }
+}
+
+/// The codings of a `content-encoding` value, as the filter reads them.
+fn codings(ce: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(ce).split(',').map(|c| c.trim().to_ascii_lowercase()).collect()
 }
 
 fuzz_target!(|input: Input| {
@@ -81,4 +150,28 @@ fuzz_target!(|input: Input| {
     let h = key::hex(&input.bytes);
     assert_eq!(h.len(), 2 * input.bytes.len());
     assert!(h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')));
+
+    let accept: Vec<Vec<u8>> = input.accept.iter().take(4).map(Coding::value).collect();
+    let ce = input.content_encoding.value();
+    let listed = codings(&ce);
+    let refused = headers::refused_coding(&accept, &ce);
+    if let Some(c) = &refused {
+        assert!(!c.is_empty() && c != "identity" && c.trim() == c && *c == c.to_ascii_lowercase(), "{c:?}");
+        let named =
+            |l: &String| l == c || (l == "x-gzip" && c == "gzip") || (l == "x-compress" && c == "compress");
+        assert!(listed.iter().any(named), "refused {c:?}, not in {listed:?}");
+        assert_eq!(headers::refused_coding(&accept, c.as_bytes()).as_ref(), Some(c), "alone");
+    }
+    let first = listed.iter().find(|c| !c.is_empty() && *c != "identity").map(|c| match c.as_str() {
+        "x-gzip" => "gzip".to_string(),
+        "x-compress" => "compress".to_string(),
+        _ => c.clone(),
+    });
+    assert_eq!(headers::refused_coding(&[], &ce), first, "no accept-encoding: no coding");
+    assert_eq!(headers::refused_coding(&[b"*".to_vec()], &ce), None, "`*` accepts every coding");
+    if !ce.contains(&b';') {
+        let mut first_listed = vec![ce.clone()];
+        first_listed.extend(accept.iter().cloned());
+        assert_eq!(headers::refused_coding(&first_listed, &ce), None, "its own codings listed first");
+    }
 });

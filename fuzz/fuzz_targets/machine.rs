@@ -5,15 +5,23 @@
 //! committed records that replay, answers to calls not pending ignored, and a settled stream once
 //! every pending call is answered. The unit test `random_event_sequences_keep_the_invariants`
 //! runs the same driver on a fixed pseudo-random sample.
+//!
+//! The configurations use the record-v2 keys too (`fingerprint_headers`, `fingerprint_json` with
+//! `ignore`, `store_statuses` with 4xx/5xx, `store_content_types`, `record_too_large`,
+//! `body_omitted_header`, `lock_wait_ms: 0`); responses have kept and refused statuses, streams
+//! and other content types, codings and lengths around `max_record_bytes`; replayed records
+//! carry this request's print, another one's or none, codings the request may refuse, omitted
+//! bodies; `busy` answers carry the lock's remaining time or not.
 
 #![no_main]
 
 use std::rc::Rc;
 
 use arbitrary::Arbitrary;
-use fuzz_common::{ArbRecord, Bytes, Name, Status};
+use fuzz_common::{ArbRecord, Bytes, Digest, Name, Status};
 use idempotency_filter::config::Config;
 use idempotency_filter::detached::UpstreamAnswer;
+use idempotency_filter::fingerprint::RequestPrint;
 use idempotency_filter::sim::{Driver, Event, MockView};
 use idempotency_filter::store::{BeginAnswer, StoreFault};
 use libfuzzer_sys::fuzz_target;
@@ -21,6 +29,8 @@ use libfuzzer_sys::fuzz_target;
 const MAX_EVENTS: usize = 48;
 const SIZES: [usize; 6] = [0, 1, 8, 50, 100, 1_048_576];
 const REPLAY_HEADERS: [&str; 4] = ["content-type", "location", "etag", "link"];
+const FINGERPRINT_HEADERS: [&str; 3] = ["x-tenant", "content-type", "accept-encoding"];
+const IGNORE: [&str; 4] = ["/client_sent_at", "/items/1", "/meta/trace", "/a~1b"];
 
 #[derive(Arbitrary, Debug)]
 struct Knobs {
@@ -41,6 +51,37 @@ struct Knobs {
     /// Inbox mode: 0 off (most inputs), 1 CloudEvents, 2 a header, 3 a JSON pointer; bit 2:
     /// `missing_id: pass`; bit 3: `duplicate_status: 200`.
     inbox: u8,
+    /// Bit i < 3: `FINGERPRINT_HEADERS[i]` is fingerprinted; bit 3: `fingerprint_json`, bit 4
+    /// not `canonical`, bits 5..=6: how many of `IGNORE` it ignores.
+    fingerprint: u8,
+    /// Bits 0..=2: `store_statuses` (`STATUSES`); bits 3..=4: `store_content_types`
+    /// (`CONTENT_TYPES`); bit 5: `record_too_large: release`; bit 6: `lock_wait_ms: 0`; bit 7: a
+    /// `body_omitted_header` of its own.
+    keep: u8,
+}
+
+/// `store_statuses` choices (`null`: the key is left out).
+fn statuses(i: u8) -> serde_json::Value {
+    use serde_json::json;
+    match i % 6 {
+        1 => json!(["2xx", "404"]),
+        2 => json!(["4xx", "5xx"]),
+        3 => json!(["2xx", "3xx", "4xx", "5xx"]),
+        4 => json!([500, "201", 409]),
+        5 => json!(["2XX"]),
+        _ => serde_json::Value::Null,
+    }
+}
+
+/// `store_content_types` choices.
+fn content_types(i: u8) -> serde_json::Value {
+    use serde_json::json;
+    match i % 4 {
+        1 => json!(["application/json", "+json"]),
+        2 => json!(["text/*"]),
+        3 => json!(["*/*"]),
+        _ => serde_json::Value::Null,
+    }
 }
 
 impl Knobs {
@@ -77,7 +118,7 @@ impl Knobs {
             }
             _ => {}
         }
-        if self.inbox % 4 != 0 {
+        if !self.inbox.is_multiple_of(4) {
             let message_id = match self.inbox % 4 {
                 1 => serde_json::json!("cloudevents"),
                 2 => serde_json::json!({"header": "x-message-id"}),
@@ -92,6 +133,41 @@ impl Knobs {
             }
             json["mode"] = "inbox".into();
             json["inbox"] = inbox;
+        }
+        let inbox = !self.inbox.is_multiple_of(4);
+        // Record-v2 keys; inbox mode refuses the request-side ones, so they are left out there.
+        if !inbox {
+            let names: Vec<&str> = FINGERPRINT_HEADERS
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| self.fingerprint & (1 << i) != 0)
+                .map(|(_, h)| *h)
+                .collect();
+            if !names.is_empty() {
+                json["fingerprint_headers"] = serde_json::json!(names);
+            }
+            if self.fingerprint & 8 != 0 {
+                let ignore = &IGNORE[..usize::from((self.fingerprint >> 5) & 3) + 1];
+                json["fingerprint_json"] =
+                    serde_json::json!({"canonical": self.fingerprint & 16 == 0, "ignore": ignore});
+            }
+            let statuses = statuses(self.keep & 7);
+            if !statuses.is_null() {
+                json["store_statuses"] = statuses;
+            }
+            if self.keep & 32 != 0 {
+                json["record_too_large"] = "release".into();
+            }
+        }
+        let types = content_types((self.keep >> 3) & 3);
+        if !types.is_null() {
+            json["store_content_types"] = types;
+        }
+        if self.keep & 64 != 0 {
+            json["lock_wait_ms"] = 0.into();
+        }
+        if self.keep & 128 != 0 {
+            json["body_omitted_header"] = "x-omitted".into();
         }
         // Inbox mode refuses some combinations (require_key, subject): those inputs are skipped.
         Config::from_json(json.to_string().as_bytes()).ok()
@@ -132,6 +208,10 @@ struct Request {
     ce_source: Option<Bytes>,
     message_id: Option<Bytes>,
     content_type: Option<ContentType>,
+    /// `accept-encoding` values (a replay in a coding they refuse is a `406`).
+    accept_encoding: Vec<Bytes>,
+    /// A fingerprinted header.
+    tenant: Option<Bytes>,
     other: Vec<(Name, Bytes)>,
     body: Bytes,
 }
@@ -179,6 +259,12 @@ impl Request {
         if let Some(ct) = &self.content_type {
             v.request.push(("content-type".into(), ct.request_value()));
         }
+        for ae in self.accept_encoding.iter().take(2) {
+            v.request.push(("accept-encoding".into(), ae.to_vec()));
+        }
+        if let Some(t) = &self.tenant {
+            v.request.push(("x-tenant".into(), t.to_vec()));
+        }
         for (n, val) in self.other.iter().take(8) {
             v.request.push((n.name(), val.to_vec()));
         }
@@ -203,11 +289,86 @@ impl Request {
 
 #[derive(Arbitrary, Debug)]
 enum Begin {
-    Replay(ArbRecord),
+    Replay(ArbRecord, PrintOf),
     Locked,
-    Busy,
+    Busy(LockMs),
     Mismatch,
     Fault(Fault),
+}
+
+/// Which request a replayed record says it answers.
+#[derive(Arbitrary, Debug)]
+enum PrintOf {
+    /// This one (a replay, unless a coding is refused).
+    This,
+    /// This one but for one fingerprinted header's value (a `422`, if that header is configured).
+    OtherHeader(u8, Digest),
+    /// Another target (a `422`).
+    OtherTarget(Digest),
+    /// None (a first-format or inbox record).
+    Nothing,
+    /// Whatever the record has.
+    AsGenerated,
+}
+
+/// The lock's remaining time on `busy`, as the store decodes it (1 ..= its longest TTL), or not.
+#[derive(Arbitrary, Debug)]
+enum LockMs {
+    Absent,
+    Short(u16),
+    Any(u64),
+    Longest,
+}
+
+impl LockMs {
+    fn ms(&self) -> Option<u64> {
+        let max = idem_protocol::MAX_LOCK_TTL_MS;
+        match self {
+            LockMs::Absent => None,
+            LockMs::Short(n) => Some(u64::from(*n) + 1),
+            LockMs::Any(n) => Some(n % max + 1),
+            LockMs::Longest => Some(max),
+        }
+    }
+}
+
+/// What the events need from the configuration and the request.
+struct Ctx {
+    max_record: usize,
+    /// The request's print as the filter computes it (`None` when it is not guarded).
+    print: RequestPrint,
+}
+
+impl Ctx {
+    fn new(cfg: &Config, view: &MockView) -> Ctx {
+        let first = |name: &str| {
+            view.request.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()).unwrap_or_default()
+        };
+        let header = |name: &str| -> Vec<Vec<u8>> {
+            view.request.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+        };
+        let print = RequestPrint::of(&first(":method"), &first(":path"), &cfg.fingerprint_headers, &header);
+        Ctx { max_record: cfg.max_record_bytes, print }
+    }
+
+    fn record(&self, arb: &ArbRecord, print_of: &PrintOf) -> idempotency_filter::record::Record {
+        let mut r = arb.to_record();
+        r.print = match print_of {
+            PrintOf::This => Some(self.print.clone()),
+            PrintOf::OtherHeader(i, d) => {
+                let mut p = self.print.clone();
+                if !p.headers.is_empty() {
+                    let n = usize::from(*i) % p.headers.len();
+                    p.headers[n].1 = d.bytes();
+                }
+                Some(p)
+            }
+            PrintOf::OtherTarget(d) => Some(RequestPrint { target: d.bytes(), ..self.print.clone() }),
+            PrintOf::Nothing => None,
+            PrintOf::AsGenerated => r.print,
+        };
+        r
+    }
 }
 
 #[derive(Arbitrary, Debug, Clone, Copy)]
@@ -236,6 +397,9 @@ enum ContentType {
     Json,
     ProblemJson,
     Text,
+    EventStream,
+    Grpc,
+    Xml,
     Raw(Bytes),
 }
 
@@ -246,23 +410,35 @@ impl ContentType {
             ContentType::Json => b"application/cloudevents+json; charset=utf-8".to_vec(),
             ContentType::ProblemJson => b"application/cloudevents-batch+json".to_vec(),
             ContentType::Text => b"application/json".to_vec(),
+            ContentType::EventStream => b"text/plain".to_vec(),
+            ContentType::Grpc => b"application/grpc".to_vec(),
+            ContentType::Xml => b"application/xml".to_vec(),
             ContentType::Raw(b) => b.to_vec(),
         }
     }
+}
+
+/// A response's `content-length`: any, or near `max_record_bytes`.
+#[derive(Arbitrary, Debug)]
+enum Length {
+    Exact(u32),
+    NearRecordLimit(i8),
+    Garbage(Bytes),
 }
 
 #[derive(Arbitrary, Debug)]
 struct Response {
     status: Option<Status>,
     content_type: Option<ContentType>,
-    content_length: Option<u32>,
+    content_encoding: Option<Bytes>,
+    content_length: Option<Length>,
     headers: Vec<(Name, Bytes)>,
     /// `count` more values of one header (more than a record holds).
     repeat: Option<(Name, u8)>,
 }
 
 impl Response {
-    fn headers(&self) -> Vec<(String, Vec<u8>)> {
+    fn headers(&self, ctx: &Ctx) -> Vec<(String, Vec<u8>)> {
         let mut h = Vec::new();
         if let Some(s) = self.status {
             h.push((":status".to_string(), s.code().to_string().into_bytes()));
@@ -272,12 +448,25 @@ impl Response {
                 ContentType::Json => b"application/json".to_vec(),
                 ContentType::ProblemJson => b"application/problem+json; charset=utf-8".to_vec(),
                 ContentType::Text => b"text/plain".to_vec(),
+                ContentType::EventStream => b"text/event-stream".to_vec(),
+                ContentType::Grpc => b"application/grpc".to_vec(),
+                ContentType::Xml => b"application/xml".to_vec(),
                 ContentType::Raw(b) => b.to_vec(),
             };
             h.push(("content-type".to_string(), v));
         }
-        if let Some(n) = self.content_length {
-            h.push(("content-length".to_string(), n.to_string().into_bytes()));
+        if let Some(ce) = &self.content_encoding {
+            h.push(("content-encoding".to_string(), ce.to_vec()));
+        }
+        if let Some(n) = &self.content_length {
+            let v = match n {
+                Length::Exact(n) => n.to_string().into_bytes(),
+                Length::NearRecordLimit(d) => {
+                    (ctx.max_record as i64 + i64::from(*d)).max(0).to_string().into_bytes()
+                }
+                Length::Garbage(b) => b.to_vec(),
+            };
+            h.push(("content-length".to_string(), v));
         }
         for (n, v) in self.headers.iter().take(16) {
             h.push((n.name(), v.to_vec()));
@@ -311,25 +500,25 @@ enum Ev {
 }
 
 impl Ev {
-    fn event(&self) -> Event {
+    fn event(&self, ctx: &Ctx) -> Event {
         match self {
             Ev::RequestHeaders(eos) => Event::RequestHeaders { end_of_stream: *eos },
             Ev::RequestBody(n, eos) => Event::RequestBody { buffered: *n as usize, end_of_stream: *eos },
             Ev::RequestTrailers => Event::RequestTrailers,
             Ev::Begin(b) => Event::BeginAnswer(match b {
-                Begin::Replay(r) => Ok(BeginAnswer::Replay(r.to_record())),
+                Begin::Replay(r, print_of) => Ok(BeginAnswer::Replay(ctx.record(r, print_of))),
                 Begin::Locked => Ok(BeginAnswer::Locked { token: String::new() }),
-                Begin::Busy => Ok(BeginAnswer::Busy),
+                Begin::Busy(ms) => Ok(BeginAnswer::Busy { lock_ms: ms.ms() }),
                 Begin::Mismatch => Ok(BeginAnswer::Mismatch),
                 Begin::Fault(f) => Err(f.fault()),
             }),
             Ev::ResponseHeaders(r, eos) => {
-                Event::ResponseHeaders { headers: r.headers(), end_of_stream: *eos }
+                Event::ResponseHeaders { headers: r.headers(ctx), end_of_stream: *eos }
             }
             Ev::ResponseBody(b, eos) => Event::ResponseBody { chunk: b.to_vec(), end_of_stream: *eos },
             Ev::ResponseTrailers => Event::ResponseTrailers,
             Ev::Upstream(Upstream::Answer(r, body)) => {
-                Event::UpstreamAnswer(UpstreamAnswer::decode(r.headers(), body.to_vec()))
+                Event::UpstreamAnswer(UpstreamAnswer::decode(r.headers(ctx), body.to_vec()))
             }
             Ev::Upstream(Upstream::Fault(f)) => Event::UpstreamAnswer(Err(f.fault())),
             Ev::StreamEnd => Event::StreamEnd,
@@ -348,9 +537,11 @@ fuzz_target!(|input: Input| {
     let Some(cfg) = input.knobs.config() else {
         return;
     };
-    let mut driver = Driver::new(Rc::new(cfg), input.request.view());
+    let view = input.request.view();
+    let ctx = Ctx::new(&cfg, &view);
+    let mut driver = Driver::new(Rc::new(cfg), view);
     for ev in input.events.iter().take(MAX_EVENTS) {
-        if let Err(e) = driver.step(ev.event()) {
+        if let Err(e) = driver.step(ev.event(&ctx)) {
             panic!("{e}");
         }
     }

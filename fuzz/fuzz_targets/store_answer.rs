@@ -6,6 +6,9 @@
 //! * an outcome is only ever read from a `200` whose first outcome header is its wire name;
 //! * a `locked` answer carries the first token header, and that token is well formed;
 //! * a replay is exactly the record the body decodes to;
+//! * a `busy` answer carries how long the holder's lock still lives when the first
+//!   `x-idem-lock-remaining-ms` header is a decimal in 1 ..= the longest lock TTL, and nothing
+//!   otherwise (absent, garbage, zero, too long): never a fault;
 //! * a record's lifetime (`x-idem-ttl-ms`, for the filter's cache) is read from the first such
 //!   header when it is a decimal in 1 ..= the longest retention, and is otherwise absent: never
 //!   a fault, never zero, never longer than any record can live.
@@ -40,6 +43,8 @@ enum Header {
     GoodToken(u8, u8),
     Ttl(Bytes),
     GoodTtl(u64),
+    LockRemaining(Bytes),
+    GoodLockRemaining(u64),
     Other(Name, Bytes),
 }
 
@@ -78,11 +83,25 @@ fn header_pair(h: &Header) -> (String, Vec<u8>) {
         }
         Header::Ttl(b) => (proto::HEADER_TTL_MS.into(), b.to_vec()),
         Header::GoodTtl(n) => (proto::HEADER_TTL_MS.into(), (n % (MAX_TTL_MS + 2)).to_string().into_bytes()),
+        Header::LockRemaining(b) => (proto::HEADER_LOCK_REMAINING_MS.into(), b.to_vec()),
+        Header::GoodLockRemaining(n) => (
+            proto::HEADER_LOCK_REMAINING_MS.into(),
+            (n % (proto::MAX_LOCK_TTL_MS + 2)).to_string().into_bytes(),
+        ),
         Header::Other(n, v) => (n.name(), v.to_vec()),
     }
 }
 
 const MAX_TTL_MS: u64 = proto::MAX_RETENTION_S * 1000;
+
+/// The first header `name` as a decimal in `1..=max`, written independently of
+/// `idem_protocol::parse_bounded`.
+fn decimal(headers: &[(String, Vec<u8>)], name: &str, max: u64) -> Option<u64> {
+    first(headers, name)
+        .filter(|v| !v.is_empty() && v.len() <= 20 && v.iter().all(u8::is_ascii_digit))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
+        .filter(|n| (1..=max).contains(n))
+}
 
 fn first<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a [u8]> {
     headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
@@ -97,11 +116,7 @@ fuzz_target!(|input: Input| {
     let answer = Answer { headers: &headers, body: &body };
     let ttl = answer.record_ttl_ms();
     assert!(ttl.is_none_or(|ms| (1..=MAX_TTL_MS).contains(&ms)), "{ttl:?}");
-    let canonical = first(&headers, proto::HEADER_TTL_MS)
-        .filter(|v| !v.is_empty() && v.len() <= 20 && v.iter().all(u8::is_ascii_digit))
-        .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
-        .filter(|ms| (1..=MAX_TTL_MS).contains(ms));
-    assert_eq!(ttl, canonical);
+    assert_eq!(ttl, decimal(&headers, proto::HEADER_TTL_MS, MAX_TTL_MS));
     let begin = answer.begin();
     let commit = answer.commit();
     let release = answer.release();
@@ -144,7 +159,7 @@ fuzz_target!(|input: Input| {
         Ok(a) => {
             let wire = match a {
                 BeginAnswer::Replay(r) => {
-                    assert!((200..=299).contains(&r.status));
+                    assert!((200..=599).contains(&r.status));
                     assert_eq!(Record::decode(&body).as_ref(), Ok(r));
                     BeginOutcome::Record
                 }
@@ -153,7 +168,13 @@ fuzz_target!(|input: Input| {
                     assert_eq!(first(&headers, proto::HEADER_TOKEN), Some(token.as_bytes()));
                     BeginOutcome::Locked
                 }
-                BeginAnswer::Busy => BeginOutcome::Busy,
+                BeginAnswer::Busy { lock_ms } => {
+                    assert!(
+                        lock_ms.is_none_or(|ms| (1..=proto::MAX_LOCK_TTL_MS).contains(&ms)),
+                        "{lock_ms:?}"
+                    );
+                    BeginOutcome::Busy
+                }
                 BeginAnswer::Mismatch => BeginOutcome::Mismatch,
             };
             assert_eq!(wire.as_str().as_bytes(), outcome);
@@ -163,7 +184,10 @@ fuzz_target!(|input: Input| {
     }
     match BeginOutcome::parse(outcome) {
         None => assert_eq!(begin.as_ref().err(), Some(&StoreFault::Garbage("unknown outcome"))),
-        Some(BeginOutcome::Busy) => assert_eq!(begin.as_ref().ok(), Some(&BeginAnswer::Busy)),
+        Some(BeginOutcome::Busy) => {
+            let lock_ms = decimal(&headers, proto::HEADER_LOCK_REMAINING_MS, proto::MAX_LOCK_TTL_MS);
+            assert_eq!(begin.as_ref().ok(), Some(&BeginAnswer::Busy { lock_ms }));
+        }
         Some(BeginOutcome::Mismatch) => assert_eq!(begin.as_ref().ok(), Some(&BeginAnswer::Mismatch)),
         Some(BeginOutcome::Record) => assert_eq!(begin.is_ok(), Record::decode(&body).is_ok()),
         Some(BeginOutcome::Locked) => {
