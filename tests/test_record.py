@@ -522,3 +522,88 @@ def test_streams_are_not_stored(stack, ctype):
     assert_executed(retry, 200)
     assert retry.header("x-upstream-id") != first.header("x-upstream-id")
     assert stack.upstream.count(key=key) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# l. Envoy's compressor before the filter: identity bytes recorded, every answer compressed
+# --------------------------------------------------------------------------------------------
+
+GZIP_COMPRESSOR = {
+    "name": "envoy.filters.http.compressor",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor",
+        # The default content types (text/plain among them) and min_content_length (30).
+        "compressor_library": {
+            "name": "gzip",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.compression.gzip.compressor.v3.Gzip"},
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def compressed_stack(run_dir, artifacts, upstream):
+    """An Envoy of its own, [compressor, idempotency filter, router] on listener `compressed`,
+    with an in-memory idemstore."""
+    sub = run_dir / "compressor"
+    store, sport = h.start_idemstore(sub)
+    try:
+        filters = {"compressed": [GZIP_COMPRESSOR, h.wasm_filter({"store_cluster": "idemstore"}, artifacts["wasm"])]}
+        envoy = h.start_envoy(sub, "envoy-compressor", filters, upstream.port, sport)
+    except BaseException:
+        store.stop()
+        raise
+    yield envoy
+    envoy.stop()
+    store.stop()
+
+
+def test_compressor_before_the_filter_records_identity_and_compresses_every_answer(compressed_stack, upstream):
+    """docs/records.md: with the compressor before this filter, the filter records the plain
+    bytes, and the compressor encodes the first answer and every replay (a local reply) for the
+    Accept-Encoding of each request."""
+    envoy = compressed_stack
+    port = envoy.port("compressed")
+    plain = text_bytes(20000)
+    hdrs = [("x-test-content-type", "text/plain"), ("x-test-body-pattern", "text:20000"),
+            ("content-type", "application/json")]
+    key = new_key()
+
+    def post(accept: str | None) -> h.Response:
+        extra = [] if accept is None else [("accept-encoding", accept)]
+        return h.request(port, "POST", "/orders", b"{}", hdrs + [("Idempotency-Key", key)] + extra)
+
+    gz = "http.compressed.compressor.gzip.gzip."
+    before = envoy.stats(r"^http\.compressed\.compressor\.")
+    stored = envoy.counter("stored")
+    first = post("gzip")
+    assert_executed(first, 201)
+    assert first.header("content-encoding") == "gzip", first
+    assert gzip.decompress(first.body) == plain
+    assert upstream.count(key=key) == 1
+    assert envoy.wait_counter("stored", stored + 1) >= stored + 1, "the answer was never stored"
+
+    # The record holds the identity bytes: a retry without Accept-Encoding is a plain replay
+    # (not a 406), which the compressor leaves alone.
+    bare = post(None)
+    assert (bare.status, bare.header(REPLAY)) == (201, "true"), bare
+    assert bare.header("content-encoding") is None, bare
+    assert bare.body == plain
+    assert bare.header("content-type") == "text/plain", bare
+    assert upstream.count(key=key) == 1
+
+    # The same record, compressed again for a retry that accepts gzip.
+    again = post("gzip")
+    assert (again.status, again.header(REPLAY)) == (201, "true"), again
+    assert again.header("content-encoding") == "gzip", again
+    assert gzip.decompress(again.body) == plain
+    assert again.header("location") == first.header("location"), again
+    assert upstream.count(key=key) == 1
+
+    # Envoy's compressor did it: two answers compressed from 2 x 20000 plain bytes (the first
+    # and the last replay), the bare retry left alone for want of an Accept-Encoding.
+    after = envoy.stats(r"^http\.compressed\.compressor\.")
+    d = {k[len(gz):]: after[k] - before.get(k, 0) for k in after if k.startswith(gz)}
+    assert (d["compressed"], d["not_compressed"], d["no_accept_header"]) == (2, 1, 1), d
+    assert d["total_uncompressed_bytes"] == 2 * len(plain), d
+    assert envoy.counter("executed") == 1 and envoy.counter("replayed") == 2
