@@ -14,11 +14,12 @@ pub enum Metric {
     Executed,
     /// A record the store accepted (`stored` or `late`).
     Stored,
-    /// `422`: the key was used with a different body.
+    /// `422`: the key was used with another body, target or fingerprinted header.
     Mismatched,
     /// `409`: the original was still running after the wait.
     Conflicted,
-    /// `400` (missing or malformed key) or `413` (body too large).
+    /// `400` (missing or malformed key), `406` (stored coding not accepted) or `413` (body too
+    /// large).
     Rejected,
     /// A guarded request whose `begin` failed: it ran unguarded (`failure_mode: open`) or got
     /// `503` (`failure_mode: closed`).
@@ -27,7 +28,7 @@ pub enum Metric {
     Unavailable,
     /// A guarded method without a key, let through.
     Passthrough,
-    /// A lock given back without a record: non-2xx, not JSON, too large, reset, client gone.
+    /// A lock given back without a record: a status not kept, a stream, reset, client gone.
     Released,
     /// A commit the store did not take (a fault, or an earlier record won).
     CommitFailed,
