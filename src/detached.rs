@@ -3,7 +3,7 @@
 //! that gives up (Envoy resets a routed upstream request when the client goes away).
 
 use crate::problem::LocalResponse;
-use crate::store::StoreFault;
+use crate::store::CalloutFault;
 
 /// A request as the filter forwards it: pseudo-headers first, as Envoy's callout expects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,19 +62,19 @@ impl UpstreamAnswer {
     /// the timeout, `503` for a reset or refused connection; only an answer that went through
     /// the upstream carries `x-envoy-upstream-service-time`, which tells them apart from the
     /// upstream's own 503 and 504. No headers at all is a reset too.
-    pub fn decode(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Result<UpstreamAnswer, StoreFault> {
+    pub fn decode(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Result<UpstreamAnswer, CalloutFault> {
         if headers.is_empty() {
-            return Err(StoreFault::Reset);
+            return Err(CalloutFault::Reset);
         }
         let status = headers
             .iter()
             .find(|(n, _)| n == ":status")
             .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
-            .ok_or(StoreFault::Garbage("no status"))?;
+            .ok_or(CalloutFault::Garbage("no status"))?;
         let from_upstream = headers.iter().any(|(n, _)| n == "x-envoy-upstream-service-time");
         match status {
-            504 if !from_upstream => Err(StoreFault::Timeout),
-            503 if !from_upstream => Err(StoreFault::Reset),
+            504 if !from_upstream => Err(CalloutFault::Timeout),
+            503 if !from_upstream => Err(CalloutFault::Reset),
             _ => Ok(UpstreamAnswer { status, headers, body }),
         }
     }
@@ -132,9 +132,9 @@ mod tests {
 
     #[test]
     fn answers() {
-        assert_eq!(UpstreamAnswer::decode(vec![], vec![]), Err(StoreFault::Reset));
-        assert_eq!(UpstreamAnswer::decode(pairs(&[(":status", b"504")]), vec![]), Err(StoreFault::Timeout));
-        assert_eq!(UpstreamAnswer::decode(pairs(&[(":status", b"503")]), vec![]), Err(StoreFault::Reset));
+        assert_eq!(UpstreamAnswer::decode(vec![], vec![]), Err(CalloutFault::Reset));
+        assert_eq!(UpstreamAnswer::decode(pairs(&[(":status", b"504")]), vec![]), Err(CalloutFault::Timeout));
+        assert_eq!(UpstreamAnswer::decode(pairs(&[(":status", b"503")]), vec![]), Err(CalloutFault::Reset));
         let own = pairs(&[(":status", b"503"), ("x-envoy-upstream-service-time", b"3")]);
         assert_eq!(UpstreamAnswer::decode(own, vec![]).map(|a| a.status), Ok(503), "the upstream's own 503");
         assert!(UpstreamAnswer::decode(pairs(&[("x", b"1")]), vec![]).is_err());

@@ -24,8 +24,8 @@ use crate::config::Config;
 use crate::detached::{UpstreamAnswer, UpstreamCall};
 use crate::machine::{Action, Effect, Step, Stream, StreamView};
 use crate::metrics::{Metric, OUTCOME_PROPERTY, STORE_LATENCY};
-use crate::recent::{Lookup, Recent};
-use crate::store::{Answer, BeginAnswer, CallKind, StoreCall, StoreFault};
+use crate::recent::{Cached, Recent};
+use crate::store::{Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
 use idem_protocol::CommitOutcome;
 
 proxy_wasm::main! {{
@@ -42,7 +42,7 @@ struct Shared {
     metrics: Vec<u32>,
     /// Histogram ids, in the order of [`STORE_LATENCY`].
     latency: Vec<u32>,
-    streams: HashMap<u32, Entry>,
+    streams: HashMap<u32, StreamEntry>,
     outbox: Vec<Job>,
     callouts: HashMap<u32, Job>,
     /// Records recently replayed by this VM, to answer their retries without a store call.
@@ -53,7 +53,7 @@ struct Shared {
     restore: HashMap<u32, Option<String>>,
 }
 
-struct Entry {
+struct StreamEntry {
     stream: Stream,
     /// For log lines: Envoy's `x-request-id`, cleaned (see [`request_id`]); read only for
     /// guarded requests (or at debug level), not on the pass-through path.
@@ -240,8 +240,8 @@ fn flush_outbox(shared: &SharedRef) {
             }
             Err(status) => {
                 log::warn!("{}: dispatch failed: {status:?}", job.label());
-                let outcome = Answered::fault(&job.call, StoreFault::Dispatch);
-                settle(shared, job, outcome, Caller::Root);
+                let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
+                finish_callout(shared, job, outcome, Caller::Root);
             }
         }
     }
@@ -287,8 +287,8 @@ fn fail_outbox(shared: &SharedRef) {
         Err(_) => return,
     };
     for job in jobs {
-        let outcome = Answered::fault(&job.call, StoreFault::Dispatch);
-        settle(shared, job, outcome, Caller::Stream);
+        let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
+        finish_callout(shared, job, outcome, Caller::Stream);
     }
 }
 
@@ -317,7 +317,7 @@ fn on_callout_answer(shared: &SharedRef, token: u32, headers: Vec<(String, Vec<u
         }
         Call::Upstream(_) => Answered::Upstream(UpstreamAnswer::decode(headers, body)),
     };
-    settle(shared, job, outcome, Caller::Root);
+    finish_callout(shared, job, outcome, Caller::Root);
 }
 
 fn epoch_ms(t: std::time::SystemTime) -> u64 {
@@ -350,9 +350,9 @@ fn cached_begin(shared: &SharedRef, key: &str, body_hash: &str) -> Option<BeginA
     }
     let now = epoch_ms(hostcalls::get_current_time().ok()?);
     match s.recent.lookup(key, body_hash, now) {
-        Lookup::Replay(record) => Some(BeginAnswer::Replay(record)),
-        Lookup::Mismatch => Some(BeginAnswer::Mismatch),
-        Lookup::Miss => None,
+        Cached::Replay(record) => Some(BeginAnswer::Replay(record)),
+        Cached::Mismatch => Some(BeginAnswer::Mismatch),
+        Cached::Miss => None,
     }
 }
 
@@ -373,14 +373,14 @@ fn record_latency(
 }
 
 enum Answered {
-    Begin(Result<BeginAnswer, StoreFault>),
-    Commit(Result<CommitOutcome, StoreFault>),
-    Release(Result<(), StoreFault>),
-    Upstream(Result<UpstreamAnswer, StoreFault>),
+    Begin(Result<BeginAnswer, CalloutFault>),
+    Commit(Result<CommitOutcome, CalloutFault>),
+    Release(Result<(), CalloutFault>),
+    Upstream(Result<UpstreamAnswer, CalloutFault>),
 }
 
 impl Answered {
-    fn fault(call: &Call, f: StoreFault) -> Answered {
+    fn fault(call: &Call, f: CalloutFault) -> Answered {
         match call {
             Call::Store(c) => match c.kind() {
                 CallKind::Begin => Answered::Begin(Err(f)),
@@ -393,7 +393,7 @@ impl Answered {
 }
 
 /// Acts on the end of a callout, whether it answered or could not be sent.
-fn settle(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
+fn finish_callout(shared: &SharedRef, job: Job, outcome: Answered, caller: Caller) {
     let mut effects = Vec::new();
     if let Call::Store(call) = &job.call {
         let fault = match &outcome {
@@ -533,7 +533,7 @@ fn apply(shared: &SharedRef, stream_id: u32, effects: Vec<Effect>, caller: Calle
                 if !stream_alive {
                     continue;
                 }
-                // Also in a stream callback: a failed wake-up settles other streams' calls too.
+                // Also in a stream callback: a failed wake-up finishes other streams' calls too.
                 let _ = hostcalls::set_effective_context(stream_id);
                 let headers: Vec<(&str, &str)> =
                     r.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
@@ -636,7 +636,7 @@ impl HttpStream {
             let Ok(mut s) = shared.try_borrow_mut() else { return HostAction::Continue };
             let cfg = s.cfg.clone();
             let view = HostView::default();
-            let entry = s.streams.entry(self.id).or_insert_with(|| Entry {
+            let entry = s.streams.entry(self.id).or_insert_with(|| StreamEntry {
                 stream: Stream::new(cfg),
                 request_id: None,
                 key_prefix: None,

@@ -66,7 +66,7 @@ impl fmt::Display for IdError {
 
 /// Where the id of this request is, as far as its headers tell.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Lookup {
+pub enum AtHeaders {
     Found(MessageId),
     /// In the body: read it with [`from_body`] once the body is complete.
     InBody,
@@ -77,12 +77,12 @@ pub fn at_headers(
     src: &MessageIdSource,
     header: &dyn Fn(&str) -> Vec<Vec<u8>>,
     max_len: usize,
-) -> Result<Lookup, IdError> {
+) -> Result<AtHeaders, IdError> {
     match src {
         MessageIdSource::CloudEvents => {
             if let Some(ct) = header("content-type").first() {
                 if is_media_type(ct, STRUCTURED) {
-                    return Ok(Lookup::InBody);
+                    return Ok(AtHeaders::InBody);
                 }
                 if is_media_type(ct, BATCH) {
                     return Err(IdError::Missing);
@@ -93,17 +93,17 @@ pub fn at_headers(
             if source.is_empty() {
                 return Err(IdError::Missing);
             }
-            Ok(Lookup::Found(MessageId { source, id: checked(id, max_len)? }))
+            Ok(AtHeaders::Found(MessageId { source, id: checked(id, max_len)? }))
         }
         MessageIdSource::Header(name) => {
             let id = single(header(name))?;
-            Ok(Lookup::Found(MessageId { source: Vec::new(), id: checked(id, max_len)? }))
+            Ok(AtHeaders::Found(MessageId { source: Vec::new(), id: checked(id, max_len)? }))
         }
-        MessageIdSource::JsonPointer(_) => Ok(Lookup::InBody),
+        MessageIdSource::JsonPointer(_) => Ok(AtHeaders::InBody),
     }
 }
 
-/// Reads the id from the complete request body (after [`at_headers`] said [`Lookup::InBody`]).
+/// Reads the id from the complete request body (after [`at_headers`] said [`AtHeaders::InBody`]).
 pub fn from_body(src: &MessageIdSource, body: &[u8], max_len: usize) -> Result<MessageId, IdError> {
     let Ok(doc) = serde_json::from_slice::<Value>(body) else {
         return Err(IdError::Missing);
@@ -170,8 +170,8 @@ mod tests {
         move |name: &str| pairs.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
     }
 
-    fn found(source: &[u8], id: &[u8]) -> Result<Lookup, IdError> {
-        Ok(Lookup::Found(MessageId { source: source.to_vec(), id: id.to_vec() }))
+    fn found(source: &[u8], id: &[u8]) -> Result<AtHeaders, IdError> {
+        Ok(AtHeaders::Found(MessageId { source: source.to_vec(), id: id.to_vec() }))
     }
 
     const CE: MessageIdSource = MessageIdSource::CloudEvents;
@@ -231,7 +231,7 @@ mod tests {
         ] {
             // ce-* headers do not count in structured mode.
             let h = headers(&[("content-type", ct), ("ce-id", b"header-id"), ("ce-source", b"s")]);
-            assert_eq!(at_headers(&CE, &h, 255), Ok(Lookup::InBody), "{ct:?}");
+            assert_eq!(at_headers(&CE, &h, 255), Ok(AtHeaders::InBody), "{ct:?}");
         }
         let body =
             br#"{"specversion":"1.0","type":"com.example.order","source":"/shop","id":"e-1","data":{}}"#;
@@ -293,7 +293,7 @@ mod tests {
     #[test]
     fn json_pointer_source() {
         let src = pointer("/message/messageId");
-        assert_eq!(at_headers(&src, &headers(&[("x-message-id", b"m")]), 255), Ok(Lookup::InBody));
+        assert_eq!(at_headers(&src, &headers(&[("x-message-id", b"m")]), 255), Ok(AtHeaders::InBody));
         // A Pub/Sub push body.
         let body = br#"{"message":{"data":"eyJ9","messageId":"2070443601311540","publishTime":"2021-02-26T19:13:55.749Z"},"subscription":"projects/p/subscriptions/s","deliveryAttempt":3}"#;
         assert_eq!(

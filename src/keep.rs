@@ -29,12 +29,13 @@ pub enum Keep {
     Release,
 }
 
-/// What the response headers tell, for the decision.
-#[derive(Debug, Clone, Copy)]
-pub struct Head<'a> {
+/// What is known of an answer: its headers, and how long its body is, or is at least.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
     pub status: u16,
-    pub content_type: Option<&'a [u8]>,
-    /// `content-length`, when given.
+    pub content_type: Option<Vec<u8>>,
+    /// The body's length: declared (`content-length`), or at least this many bytes arrived;
+    /// `None` while unknown.
     pub length: Option<u64>,
     /// An `upgrade` header, or `101`.
     pub upgrade: bool,
@@ -45,7 +46,7 @@ pub struct Head<'a> {
     pub readable: bool,
 }
 
-impl Head<'_> {
+impl Head {
     /// [`Head::readable`] for a response whose header values `values_of` gives.
     pub fn readable_with(values_of: impl Fn(&str) -> Vec<Vec<u8>>) -> bool {
         crate::headers::REPRESENTATION.iter().all(|name| match values_of(name).as_slice() {
@@ -54,60 +55,40 @@ impl Head<'_> {
             _ => false,
         })
     }
+
+    /// The same answer with at least `bytes` of body.
+    pub fn with_body(&self, bytes: u64) -> Head {
+        Head { length: Some(self.length.unwrap_or(0).max(bytes)), ..self.clone() }
+    }
 }
 
-/// The decision on the response headers. [`Keep::Full`] may still become another decision
-/// while the body streams: see [`too_large`] and [`untyped_body`].
-pub fn on_head(cfg: &Config, head: &Head) -> Keep {
-    let success = (200..=299).contains(&head.status);
+/// What becomes of an answer, from what is known of it. Called on the response headers, and
+/// again as the body arrives (with [`Head::with_body`]): [`Keep::Full`] on the headers may
+/// become [`Keep::WithoutBody`] (too large) or not kept (a body without a content type where
+/// `store_content_types` is set); nothing else changes once the headers are known.
+pub fn decide(cfg: &Config, head: &Head) -> Keep {
+    let too_large = head.length.is_some_and(|n| n > cfg.max_record_bytes as u64);
+    // What the bytes are is unknown, and `store_content_types` says which may be kept.
+    let untyped_body = head.content_type.is_none()
+        && cfg.store_content_types.is_some()
+        && head.length.is_some_and(|n| n > 0);
+    let replayable = replayable(cfg, head) && !untyped_body && head.headers_fit && head.readable;
     if cfg.inbox().is_some() {
-        if !success {
+        // Any 2xx marks the message handled; in full when a record can hold (and replay) it.
+        if !(200..=299).contains(&head.status) {
             return Keep::Release;
         }
-        let whole = cfg.inbox().is_some_and(|i| i.duplicate_status.is_none())
-            && replayable(cfg, head)
-            && head.headers_fit
-            && head.readable
-            && head.length.is_none_or(|n| n <= cfg.max_record_bytes as u64);
+        let whole = cfg.inbox().is_some_and(|i| i.duplicate_status.is_none()) && replayable && !too_large;
         return if whole { Keep::Full } else { Keep::StatusOnly };
     }
-    if !cfg.store_statuses.contains(head.status)
-        || !replayable(cfg, head)
-        || !head.headers_fit
-        || !head.readable
-    {
+    if !cfg.store_statuses.contains(head.status) || !replayable {
         return Keep::Release;
     }
-    if head.length.is_some_and(|n| n > cfg.max_record_bytes as u64) {
-        return too_large(cfg);
+    match (too_large, cfg.record_too_large) {
+        (false, _) => Keep::Full,
+        (true, TooLarge::OmitBody) => Keep::WithoutBody,
+        (true, TooLarge::Release) => Keep::Release,
     }
-    Keep::Full
-}
-
-/// The body turned out larger than `max_record_bytes`.
-pub fn too_large(cfg: &Config) -> Keep {
-    if cfg.inbox().is_some() {
-        return Keep::StatusOnly;
-    }
-    match cfg.record_too_large {
-        TooLarge::OmitBody => Keep::WithoutBody,
-        TooLarge::Release => Keep::Release,
-    }
-}
-
-/// An answer without a content type turned out to have a body, and `store_content_types`
-/// lists what may be kept: what the bytes are is unknown, so they are not.
-pub fn untyped_body(cfg: &Config) -> Keep {
-    if cfg.inbox().is_some() {
-        Keep::StatusOnly
-    } else {
-        Keep::Release
-    }
-}
-
-/// True when an answer without a content type may be kept only if its body is empty.
-pub fn needs_empty_body(cfg: &Config, head: &Head) -> bool {
-    head.content_type.is_none() && cfg.store_content_types.is_some()
 }
 
 /// Not a stream or an upgrade, and of a content type `store_content_types` allows (an answer
@@ -116,7 +97,7 @@ fn replayable(cfg: &Config, head: &Head) -> bool {
     if head.upgrade || head.status == 101 {
         return false;
     }
-    let Some(ct) = head.content_type else { return true };
+    let Some(ct) = head.content_type.as_deref() else { return true };
     let Some(media) = MediaType::parse(ct) else {
         // Unparseable: keep the bytes when every type is kept, refuse a narrowed list.
         return cfg.store_content_types.is_none();
@@ -247,127 +228,118 @@ mod tests {
         Config::from_json(json.as_bytes()).unwrap()
     }
 
-    fn head(status: u16, ct: Option<&'static str>) -> Head<'static> {
+    fn head(status: u16, ct: Option<&str>, length: Option<u64>) -> Head {
         Head {
             status,
-            content_type: ct.map(str::as_bytes),
-            length: None,
+            content_type: ct.map(|c| c.as_bytes().to_vec()),
+            length,
             upgrade: false,
             headers_fit: true,
             readable: true,
         }
     }
 
+    use Keep::{Full, Release, StatusOnly, WithoutBody};
+
+    const DEFAULT: &str = "";
+    const JSON_ONLY: &str = r#","store_content_types":["application/json","+json","text/*"]"#;
+    const WITH_4XX: &str = r#","store_statuses":["2xx","404","5xx"]"#;
+    const RELEASE_LARGE: &str = r#","record_too_large":"release""#;
+    const INBOX: &str = r#","mode":"inbox""#;
+    const INBOX_BARE: &str = r#","mode":"inbox","inbox":{"duplicate_status":204}"#;
+
+    /// Configuration, status, content type, body length: what becomes of the answer.
+    type Row = (&'static str, u16, Option<&'static str>, Option<u64>, Keep);
+
+    /// The whole decision as a table.
     #[test]
-    fn every_2xx_is_kept_whatever_its_type() {
-        let c = cfg("");
-        for ct in [
-            Some("application/json"),
-            Some("text/plain; charset=utf-8"),
-            Some("application/xml"),
-            Some("application/octet-stream"),
-            Some("application/x-protobuf"),
-            Some("image/png"),
-            Some("nonsense"),
-            None,
-        ] {
-            assert_eq!(on_head(&c, &head(201, ct)), Keep::Full, "{ct:?}");
-        }
-        for status in [199, 300, 302, 400, 404, 409, 500, 503, 0] {
-            assert_eq!(on_head(&c, &head(status, Some("application/json"))), Keep::Release, "{status}");
+    fn what_a_response_becomes() {
+        let rows: &[Row] = &[
+            // Every 2xx, whatever its content type, with or without a known length.
+            (DEFAULT, 201, Some("application/json"), Some(2), Full),
+            (DEFAULT, 200, Some("text/plain; charset=utf-8"), None, Full),
+            (DEFAULT, 201, Some("application/xml"), Some(100), Full),
+            (DEFAULT, 201, Some("application/octet-stream"), Some(0), Full),
+            (DEFAULT, 201, Some("nonsense"), None, Full),
+            (DEFAULT, 201, None, Some(50), Full),
+            (DEFAULT, 204, None, None, Full),
+            (DEFAULT, 299, Some("application/json"), None, Full),
+            // Other statuses are released unless listed.
+            (DEFAULT, 302, None, None, Release),
+            (DEFAULT, 404, Some("application/json"), None, Release),
+            (DEFAULT, 500, Some("application/json"), None, Release),
+            (DEFAULT, 0, None, None, Release),
+            (WITH_4XX, 404, Some("application/json"), None, Full),
+            (WITH_4XX, 400, Some("application/json"), None, Release),
+            (WITH_4XX, 503, Some("application/json"), None, Full),
+            // Streams and upgrades are never kept.
+            (DEFAULT, 200, Some("text/event-stream"), None, Release),
+            (DEFAULT, 200, Some("Text/Event-Stream; charset=utf-8"), None, Release),
+            (DEFAULT, 200, Some("multipart/x-mixed-replace; boundary=x"), None, Release),
+            (DEFAULT, 200, Some("application/grpc"), None, Release),
+            (DEFAULT, 200, Some("application/grpc+proto"), None, Release),
+            (DEFAULT, 200, Some("application/grpc-web+proto"), None, Release),
+            (DEFAULT, 101, None, None, Release),
+            // Too large: without the body, or released.
+            (DEFAULT, 201, Some("application/json"), Some(100), Full),
+            (DEFAULT, 201, Some("application/json"), Some(101), WithoutBody),
+            (WITH_4XX, 404, None, Some(101), WithoutBody),
+            (RELEASE_LARGE, 201, Some("application/json"), Some(101), Release),
+            (RELEASE_LARGE, 201, Some("application/json"), Some(100), Full),
+            // store_content_types narrows; no content type counts only with an empty body.
+            (JSON_ONLY, 201, Some("application/json; charset=utf-8"), None, Full),
+            (JSON_ONLY, 201, Some("application/problem+json"), None, Full),
+            (JSON_ONLY, 201, Some("application/vnd.api+json"), None, Full),
+            (JSON_ONLY, 201, Some("text/csv"), None, Full),
+            (JSON_ONLY, 201, Some("application/xml"), None, Release),
+            (JSON_ONLY, 201, Some("application/jsonx"), None, Release),
+            (JSON_ONLY, 201, Some("garbage"), None, Release),
+            (JSON_ONLY, 204, None, None, Full),
+            (JSON_ONLY, 201, None, Some(0), Full),
+            (JSON_ONLY, 201, None, Some(5), Release),
+            // Inbox mode: any 2xx marks the message handled, whole when a record can hold it.
+            (INBOX, 200, Some("text/plain"), Some(2), Full),
+            (INBOX, 202, None, Some(8), Full),
+            (INBOX, 200, Some("text/event-stream"), None, StatusOnly),
+            (INBOX, 200, None, Some(101), StatusOnly),
+            (INBOX, 302, None, None, Release),
+            (INBOX, 404, Some("application/json"), None, Release),
+            (INBOX, 500, Some("application/json"), None, Release),
+            (INBOX_BARE, 200, Some("application/json"), Some(2), StatusOnly),
+        ];
+        for (extra, status, ct, length, expected) in rows {
+            let got = decide(&cfg(extra), &head(*status, *ct, *length));
+            assert_eq!(got, *expected, "{extra} {status} {ct:?} {length:?}");
         }
     }
 
     #[test]
-    fn streams_and_upgrades_are_never_kept() {
-        let c = cfg("");
-        for ct in [
-            "text/event-stream",
-            "Text/Event-Stream; charset=utf-8",
-            "multipart/x-mixed-replace; boundary=x",
-            "application/grpc",
-            "application/grpc+proto",
-            "application/grpc-web+proto",
-        ] {
-            assert_eq!(on_head(&c, &head(200, Some(ct))), Keep::Release, "{ct}");
-        }
-        let mut up = head(200, None);
+    fn headers_a_record_cannot_carry_are_not_kept() {
+        let mut h = head(201, Some("application/json"), None);
+        h.headers_fit = false;
+        assert_eq!(decide(&cfg(DEFAULT), &h), Release);
+        let mut h = head(201, Some("application/json"), None);
+        h.readable = false;
+        assert_eq!(decide(&cfg(DEFAULT), &h), Release);
+        assert_eq!(decide(&cfg(INBOX), &h), StatusOnly);
+        let mut up = head(200, None, None);
         up.upgrade = true;
-        assert_eq!(on_head(&c, &up), Keep::Release);
+        assert_eq!(decide(&cfg(DEFAULT), &up), Release);
     }
 
     #[test]
-    fn too_large_omits_the_body_or_releases() {
-        let c = cfg("");
-        let mut big = head(201, Some("application/json"));
-        big.length = Some(101);
-        assert_eq!(on_head(&c, &big), Keep::WithoutBody);
-        big.length = Some(100);
-        assert_eq!(on_head(&c, &big), Keep::Full);
-        assert_eq!(too_large(&c), Keep::WithoutBody);
-        let r = cfg(r#","record_too_large":"release""#);
-        big.length = Some(101);
-        assert_eq!(on_head(&r, &big), Keep::Release);
-        assert_eq!(too_large(&r), Keep::Release);
-        let mut wide = head(201, None);
-        wide.headers_fit = false;
-        assert_eq!(on_head(&c, &wide), Keep::Release);
-        let mut ambiguous = head(201, Some("application/json"));
-        ambiguous.readable = false;
-        assert_eq!(on_head(&c, &ambiguous), Keep::Release);
-        assert_eq!(on_head(&cfg(r#","mode":"inbox""#), &ambiguous), Keep::StatusOnly);
-    }
-
-    #[test]
-    fn store_content_types_narrows() {
-        let c = cfg(r#","store_content_types":["application/json","+json","text/*"]"#);
-        assert_eq!(on_head(&c, &head(201, Some("application/json; charset=utf-8"))), Keep::Full);
-        assert_eq!(on_head(&c, &head(201, Some("application/problem+json"))), Keep::Full);
-        assert_eq!(on_head(&c, &head(201, Some("application/vnd.api+json"))), Keep::Full);
-        assert_eq!(on_head(&c, &head(201, Some("text/csv"))), Keep::Full);
-        assert_eq!(on_head(&c, &head(201, Some("application/xml"))), Keep::Release);
-        assert_eq!(on_head(&c, &head(201, Some("application/jsonx"))), Keep::Release);
-        assert_eq!(on_head(&c, &head(201, Some("garbage"))), Keep::Release);
-        assert_eq!(on_head(&c, &head(204, None)), Keep::Full);
-        assert!(needs_empty_body(&c, &head(204, None)));
-        assert!(!needs_empty_body(&cfg(""), &head(204, None)));
-        assert_eq!(untyped_body(&c), Keep::Release);
-    }
-
-    #[test]
-    fn store_statuses() {
-        let c = cfg(r#","store_statuses":["2xx","404","409"]"#);
-        for (status, kept) in [(200, true), (299, true), (404, true), (409, true), (400, false), (500, false)]
-        {
-            let k = on_head(&c, &head(status, Some("application/json")));
-            assert_eq!(k == Keep::Full, kept, "{status}");
-        }
-        let c = cfg(r#","store_statuses":["4xx","5xx"]"#);
-        assert_eq!(on_head(&c, &head(201, None)), Keep::Release);
-        assert_eq!(on_head(&c, &head(422, None)), Keep::Full);
-        assert_eq!(on_head(&c, &head(503, None)), Keep::Full);
-        let mut s = StatusSet::empty();
-        for bad in ["1xx", "6xx", "199", "600", "2x", "abc", "0404", " 404", "+404"] {
-            assert!(!s.add(bad), "{bad}");
-        }
-        assert!(s.is_empty());
-        assert!(s.add("3XX") && s.add("204"));
-        assert_eq!(s.entries(), ["3xx", "204"]);
-        assert!(s.contains(301) && s.contains(204) && !s.contains(200) && !s.contains(65535));
-    }
-
-    #[test]
-    fn inbox_marks_any_2xx_handled() {
-        let c = cfg(r#","mode":"inbox""#);
-        assert_eq!(on_head(&c, &head(200, Some("text/plain"))), Keep::Full);
-        assert_eq!(on_head(&c, &head(200, Some("text/event-stream"))), Keep::StatusOnly);
-        assert_eq!(on_head(&c, &head(404, Some("application/json"))), Keep::Release);
-        let mut big = head(200, None);
-        big.length = Some(101);
-        assert_eq!(on_head(&c, &big), Keep::StatusOnly);
-        assert_eq!(too_large(&c), Keep::StatusOnly);
-        let d = cfg(r#","mode":"inbox","inbox":{"duplicate_status":204}"#);
-        assert_eq!(on_head(&d, &head(200, Some("application/json"))), Keep::StatusOnly);
+    fn the_body_can_only_narrow_the_decision() {
+        let c = cfg(DEFAULT);
+        let h = head(201, Some("application/json"), None);
+        assert_eq!(decide(&c, &h), Full);
+        assert_eq!(decide(&c, &h.with_body(100)), Full);
+        assert_eq!(decide(&c, &h.with_body(101)), WithoutBody);
+        let declared = head(201, Some("application/json"), Some(500));
+        assert_eq!(declared.with_body(10).length, Some(500), "at least what was declared");
+        let untyped = head(201, None, None);
+        assert_eq!(decide(&cfg(JSON_ONLY), &untyped), Full);
+        assert_eq!(decide(&cfg(JSON_ONLY), &untyped.with_body(1)), Release);
+        assert_eq!(decide(&cfg(DEFAULT), &untyped.with_body(1)), Full);
     }
 
     #[test]
@@ -380,6 +352,18 @@ mod tests {
         assert!(!Head::readable_with(of(&[("content-type", b"text/plain"), ("content-type", b"text/html")])));
         assert!(!Head::readable_with(of(&[("content-type", b"application/json\xff")])));
         assert!(!Head::readable_with(of(&[("content-encoding", b"gzip"), ("content-encoding", b"br")])));
+    }
+
+    #[test]
+    fn status_sets() {
+        let mut s = StatusSet::empty();
+        for bad in ["1xx", "6xx", "199", "600", "2x", "abc", "0404", " 404", "+404"] {
+            assert!(!s.add(bad), "{bad}");
+        }
+        assert!(s.is_empty());
+        assert!(s.add("3XX") && s.add("204"));
+        assert_eq!(s.entries(), ["3xx", "204"]);
+        assert!(s.contains(301) && s.contains(204) && !s.contains(200) && !s.contains(65535));
     }
 
     #[test]

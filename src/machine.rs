@@ -3,16 +3,17 @@
 //! the host is behind [`StreamView`], so every transition is unit-tested natively.
 //!
 //! ```text
-//! Start ──not guarded / no key──────────────────────────────────────────▶ Done
-//!   │ key ok                      bad key / too large ─▶ 400 / 413 ─────▶ Done
+//! Start ──not guarded / no key─────────────────────────────────────────▶ Done
+//!   │ key ok               bad key / too large ─▶ 400 / 413 ───────────▶ Done
+//!   │ inbox, id in the body ─▶ Reading ──end of body, id found──▶ Beginning
 //!   ▼
 //! Hashing ──end of body──▶ Beginning ──record──▶ replay (or 422 / 406) ──▶ Done
 //!                            │  │ └─mismatch / busy / fault──▶ 422 / 409 / open or 503
 //!                            │  └─stream gone─▶ Orphaned ──locked──▶ release
+//!                            ├─locked, detached_execution─▶ Detached ──answer──▶ commit or release
 //!                            ▼ locked
 //!                          Executing ──kept (see `keep`)──▶ Capturing ──end──▶ commit
-//!                            │ └──not kept / reset / client gone───────────▶ release
-//!                            └─detached_execution─▶ Detached ──answer──▶ commit or release
+//!                            └──not kept / reset / client gone─────────────▶ release
 //! ```
 //!
 //! The body hash `begin` carries is the body's fingerprint; the rest of the request's (target,
@@ -24,7 +25,7 @@
 //! (structured CloudEvents, a JSON pointer), by `Reading` the body first and then going on as
 //! `Hashing` at its end. The body hash is a constant (the id is the identity: a redelivery may
 //! differ, e.g. Pub/Sub's `deliveryAttempt`), and any `2xx` marks the message handled: what a
-//! record cannot hold (a text body, too large) is stored as its status alone.
+//! record cannot hold (a stream, too large) is stored as its status alone.
 
 use sha2::{Digest, Sha256};
 use std::rc::Rc;
@@ -33,14 +34,14 @@ use crate::config::{Config, FailureMode, MissingId, Subject};
 use crate::detached::{self, UpstreamAnswer, UpstreamCall};
 use crate::fingerprint::{self, RequestPrint};
 use crate::headers;
-use crate::inbox::{self, IdError, Lookup, MessageId};
+use crate::inbox::{self, AtHeaders, IdError, MessageId};
 use crate::keep::{self, Head, Keep};
 use crate::key;
 use crate::metrics::Metric;
 use crate::problem::{self, LocalResponse};
 use crate::record::{self, Record};
 use crate::replay;
-use crate::store::{BeginAnswer, StoreCall, StoreFault};
+use crate::store::{BeginAnswer, CalloutFault, StoreCall};
 
 /// What the machine may read from the host, lazily: a request that is not guarded costs one
 /// header lookup.
@@ -101,13 +102,14 @@ impl Step {
 /// A response being copied for the record while it streams to the client.
 #[derive(Debug)]
 struct Capture {
-    status: u16,
+    /// What the headers told, for [`keep::decide`] as the body arrives.
+    head: Head,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
-    /// Too large: recorded without its body.
+    /// Body bytes that went by, kept or not.
+    seen: u64,
+    /// Recorded without its body (too large).
     omitted: bool,
-    /// No content type while `store_content_types` is set: kept only if the body is empty.
-    needs_empty: bool,
 }
 
 /// How the request body becomes the body hash `begin` carries.
@@ -316,7 +318,7 @@ impl Stream {
         let header = |name: &str| view.request_header(name);
         match inbox::at_headers(&inbox.message_id, &header, self.cfg.max_key_length) {
             Err(e) => self.without_id(view, e),
-            Ok(Lookup::Found(id)) => {
+            Ok(AtHeaders::Found(id)) => {
                 let effects = vec![Effect::Count(Metric::Guarded)];
                 if self.declared_too_large(view) {
                     return too_large(effects, self.cfg.max_body_bytes);
@@ -324,7 +326,7 @@ impl Stream {
                 let key = inbox_key(&method, &route(view), &id);
                 self.guard(view, key, effects, end_of_stream)
             }
-            Ok(Lookup::InBody) => {
+            Ok(AtHeaders::InBody) => {
                 if self.declared_too_large(view) {
                     return too_large(vec![], self.cfg.max_body_bytes);
                 }
@@ -405,7 +407,8 @@ impl Stream {
             let hashing = matches!(digest, Some(BodyDigest::Raw(_) | BodyDigest::Json(_)));
             if hashing || kept.is_some() || self.detach.is_some() {
                 let Some(chunk) = view.request_body(seen, buffered - seen) else {
-                    return Step::pause(self.fault(StoreFault::Dispatch));
+                    // The host could not hand over the body: the guarantee cannot be checked.
+                    return Step::pause(self.give_up());
                 };
                 match digest {
                     Some(BodyDigest::Raw(h)) => h.update(&chunk),
@@ -470,7 +473,7 @@ impl Stream {
         }
     }
 
-    pub fn on_begin_answer(&mut self, answer: Result<BeginAnswer, StoreFault>) -> Vec<Effect> {
+    pub fn on_begin_answer(&mut self, answer: Result<BeginAnswer, CalloutFault>) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Beginning { key, body_hash } => match answer {
                 Ok(BeginAnswer::Replay(record)) => {
@@ -511,7 +514,8 @@ impl Stream {
                         vec![Effect::Resume, Effect::Count(Metric::Executed)]
                     }
                 },
-                Err(fault) => self.fault(fault),
+                // The host logged and counted the fault itself.
+                Err(_) => self.give_up(),
             },
             State::Orphaned { key } => match answer {
                 Ok(BeginAnswer::Locked { token }) => {
@@ -526,9 +530,9 @@ impl Stream {
         }
     }
 
-    /// A store fault before the upstream ran: the guarantee is given up (counted as degraded)
-    /// by running unguarded, or by refusing.
-    fn fault(&mut self, _fault: StoreFault) -> Vec<Effect> {
+    /// The guarantee cannot be had (the store failed, or the body could not be read) before the
+    /// upstream ran: it is given up (counted as degraded) by running unguarded, or by refusing.
+    fn give_up(&mut self) -> Vec<Effect> {
         self.state = State::Done;
         match self.cfg.failure_mode {
             FailureMode::Open => vec![Effect::Resume, Effect::Count(Metric::Degraded)],
@@ -546,28 +550,26 @@ impl Stream {
                 let status = first(view.response_header(":status"))
                     .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.parse::<u16>().ok()))
                     .unwrap_or(0);
-                let content_type = first(view.response_header("content-type"));
                 let length = first(view.response_header("content-length"))
                     .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
                 let recorded = self.recorded_headers(|name| view.response_header(name));
                 let head = Head {
                     status,
-                    content_type: content_type.as_deref(),
+                    content_type: first(view.response_header("content-type")),
                     length,
                     upgrade: !view.response_header("upgrade").is_empty(),
                     headers_fit: record::headers_fit(&recorded),
                     readable: Head::readable_with(|name| view.response_header(name)),
                 };
-                let keep = keep::on_head(&self.cfg, &head);
-                let needs_empty = keep::needs_empty_body(&self.cfg, &head);
+                let keep = keep::decide(&self.cfg, &head);
                 let omitted = match keep {
                     Keep::Full => false,
                     Keep::WithoutBody => true,
                     Keep::StatusOnly | Keep::Release => {
-                        return Step::go(self.settle_without_record(key, token, body_hash, status, keep))
+                        return Step::go(self.end_without_record(key, token, body_hash, status, keep))
                     }
                 };
-                let capture = Capture { status, headers: recorded, body: Vec::new(), omitted, needs_empty };
+                let capture = Capture { head, headers: recorded, body: Vec::new(), seen: 0, omitted };
                 self.state = State::Capturing { key, body_hash, token, capture };
                 if end_of_stream {
                     return Step::go(self.finish_capture());
@@ -596,26 +598,23 @@ impl Stream {
         let State::Capturing { capture, .. } = &mut self.state else {
             return Step::go(vec![]);
         };
-        if chunk_len > 0 && capture.needs_empty {
-            let keep = keep::untyped_body(&self.cfg);
-            return Step::go(self.abandon_capture(keep));
-        }
-        if chunk_len > 0 && !capture.omitted {
-            let chunk = if capture.body.len() + chunk_len > self.cfg.max_record_bytes {
-                None
-            } else {
-                view.response_body(0, chunk_len)
-            };
-            match chunk {
-                Some(chunk) => capture.body.extend_from_slice(&chunk),
-                // Too large (or unreadable): kept without the body, or not at all.
-                None => match keep::too_large(&self.cfg) {
-                    Keep::WithoutBody => {
-                        capture.omitted = true;
-                        capture.body = Vec::new();
-                    }
-                    keep => return Step::go(self.abandon_capture(keep)),
-                },
+        if chunk_len > 0 {
+            capture.seen = capture.seen.saturating_add(chunk_len as u64);
+            let mut keep = keep::decide(&self.cfg, &capture.head.with_body(capture.seen));
+            if keep == Keep::Full && !capture.omitted {
+                match view.response_body(0, chunk_len) {
+                    Some(chunk) => capture.body.extend_from_slice(&chunk),
+                    // A body the host cannot hand over is kept like one too large to keep.
+                    None => keep = keep::decide(&self.cfg, &capture.head.with_body(u64::MAX)),
+                }
+            }
+            match keep {
+                Keep::Full => {}
+                Keep::WithoutBody => {
+                    capture.omitted = true;
+                    capture.body = Vec::new();
+                }
+                keep => return Step::go(self.abandon_capture(keep)),
             }
         }
         if end_of_stream {
@@ -636,7 +635,7 @@ impl Stream {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Capturing { key, body_hash, token, capture } => {
                 let record = Record {
-                    status: capture.status,
+                    status: capture.head.status,
                     headers: capture.headers,
                     body: capture.body,
                     body_omitted: capture.omitted,
@@ -655,7 +654,7 @@ impl Stream {
     fn abandon_capture(&mut self, keep: Keep) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Capturing { key, body_hash, token, capture } => {
-                self.settle_without_record(key, token, body_hash, capture.status, keep)
+                self.end_without_record(key, token, body_hash, capture.head.status, keep)
             }
             other => {
                 self.state = other;
@@ -666,7 +665,7 @@ impl Stream {
 
     /// Ends a lock for an answer that gets no full record: its status alone
     /// ([`Keep::StatusOnly`]) or nothing.
-    fn settle_without_record(
+    fn end_without_record(
         &self,
         key: String,
         token: String,
@@ -701,7 +700,7 @@ impl Stream {
 
     /// The answer to a detached execution: to the client if it is still there, and to the
     /// store in any case (a commit, or a release for what is not stored).
-    pub fn on_upstream_answer(&mut self, answer: Result<UpstreamAnswer, StoreFault>) -> Vec<Effect> {
+    pub fn on_upstream_answer(&mut self, answer: Result<UpstreamAnswer, CalloutFault>) -> Vec<Effect> {
         let (key, body_hash, token, gone) = match std::mem::replace(&mut self.state, State::Done) {
             State::Detached { key, body_hash, token, gone } => (key, body_hash, token, gone),
             other => {
@@ -715,7 +714,7 @@ impl Stream {
             Err(fault) => {
                 if !gone {
                     let problem = match fault {
-                        StoreFault::Timeout => problem::upstream_timeout(self.cfg.detached_timeout_ms),
+                        CalloutFault::Timeout => problem::upstream_timeout(self.cfg.detached_timeout_ms),
                         _ => problem::upstream_failed(),
                     };
                     effects.push(Effect::Respond(problem));
@@ -732,23 +731,18 @@ impl Stream {
         let headers = self.recorded_headers(values_of);
         let head = Head {
             status: answer.status,
-            content_type: answer.header("content-type"),
+            content_type: answer.header("content-type").map(<[u8]>::to_vec),
             length: Some(answer.body.len() as u64),
             upgrade: answer.header("upgrade").is_some(),
             headers_fit: record::headers_fit(&headers),
             readable: Head::readable_with(values_of),
         };
-        let keep = match keep::on_head(&self.cfg, &head) {
-            Keep::Full if keep::needs_empty_body(&self.cfg, &head) && !answer.body.is_empty() => {
-                keep::untyped_body(&self.cfg)
-            }
-            keep => keep,
-        };
+        let keep = keep::decide(&self.cfg, &head);
         let omitted = match keep {
             Keep::Full => false,
             Keep::WithoutBody => true,
             Keep::StatusOnly | Keep::Release => {
-                effects.extend(self.settle_without_record(key, token, body_hash, answer.status, keep));
+                effects.extend(self.end_without_record(key, token, body_hash, answer.status, keep));
                 if gone && keep == Keep::StatusOnly {
                     effects.push(Effect::Count(Metric::CommittedAfterGone));
                 }

@@ -236,11 +236,11 @@ fn begin_answers_replay_reject_or_execute() {
 #[test]
 fn store_faults_fail_open_or_closed() {
     let faults = [
-        StoreFault::Dispatch,
-        StoreFault::Reset,
-        StoreFault::Timeout,
-        StoreFault::Status(500),
-        StoreFault::Garbage("bad magic"),
+        CalloutFault::Dispatch,
+        CalloutFault::Reset,
+        CalloutFault::Timeout,
+        CalloutFault::Status(500),
+        CalloutFault::Garbage("bad magic"),
     ];
     for fault in faults {
         let mut s = Stream::new(cfg(""));
@@ -671,7 +671,7 @@ fn stream_ending_while_begin_is_pending_releases_a_late_lock() {
     assert!(s.is_settled());
 
     for answer in
-        [Ok(BeginAnswer::Busy { lock_ms: None }), Ok(BeginAnswer::Mismatch), Err(StoreFault::Timeout)]
+        [Ok(BeginAnswer::Busy { lock_ms: None }), Ok(BeginAnswer::Mismatch), Err(CalloutFault::Timeout)]
     {
         let mut s = Stream::new(cfg(""));
         s.on_request_headers(&MockView::post(Some("k")), true);
@@ -727,7 +727,7 @@ fn random_event_sequences_keep_the_invariants() {
                     0 => Ok(BeginAnswer::Busy { lock_ms: [None, Some(1), Some(90_000)][next(3) as usize] }),
                     1 => Ok(BeginAnswer::Mismatch),
                     2 => Ok(BeginAnswer::Replay(Record::status_only(200))),
-                    3 => Err(StoreFault::Reset),
+                    3 => Err(CalloutFault::Reset),
                     4 => Ok(BeginAnswer::Replay(Record {
                         status: 404,
                         headers: vec![("content-encoding".into(), "gzip".into())],
@@ -761,7 +761,7 @@ fn random_event_sequences_keep_the_invariants() {
                 }
                 8 => Event::ResponseTrailers,
                 9 if next(2) == 0 => Event::UpstreamAnswer(if next(4) == 0 {
-                    Err(StoreFault::Timeout)
+                    Err(CalloutFault::Timeout)
                 } else {
                     Ok(answer(["201", "500"][next(2) as usize], None, b""))
                 }),
@@ -902,18 +902,18 @@ fn detached_failures_release_the_lock() {
     assert!(Record::decode(record).unwrap().body_omitted);
 
     let (mut s, key, _) = detached_locked();
-    let effects = s.on_upstream_answer(Err(StoreFault::Reset));
+    let effects = s.on_upstream_answer(Err(CalloutFault::Reset));
     assert_eq!(respond_status(&effects), Some(502));
     assert_eq!(effects[1..], release_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
-    let effects = s.on_upstream_answer(Err(StoreFault::Timeout));
+    let effects = s.on_upstream_answer(Err(CalloutFault::Timeout));
     assert_eq!(respond_status(&effects), Some(504));
     assert_eq!(effects[1..], release_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
     s.on_stream_end();
-    assert_eq!(s.on_upstream_answer(Err(StoreFault::Reset)), release_of(&key));
+    assert_eq!(s.on_upstream_answer(Err(CalloutFault::Reset)), release_of(&key));
 }
 
 #[test]
@@ -1359,7 +1359,7 @@ fn inbox_random_event_sequences_keep_the_invariants() {
                 3 => Event::BeginAnswer(match next(7) {
                     0 => Ok(BeginAnswer::Busy { lock_ms: None }),
                     1 => Ok(BeginAnswer::Replay(Record::status_only(200))),
-                    2 => Err(StoreFault::Reset),
+                    2 => Err(CalloutFault::Reset),
                     _ => Ok(BeginAnswer::Locked { token: String::new() }),
                 }),
                 4 => {

@@ -107,8 +107,9 @@ impl Metric {
         }
     }
 
+    /// Its position in [`Metric::ALL`] (the declaration order; a unit test holds them equal).
     pub fn index(self) -> usize {
-        Metric::ALL.iter().position(|m| *m == self).unwrap_or(0)
+        self as usize
     }
 }
 
@@ -122,3 +123,19 @@ pub const STORE_LATENCY: [(CallKind, &str); 3] = [
 ];
 
 pub const OUTCOME_PROPERTY: &str = "idempotency_outcome";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_has_its_own_slot_and_name() {
+        for (i, m) in Metric::ALL.iter().enumerate() {
+            assert_eq!(m.index(), i, "{m:?}: ALL is in declaration order");
+        }
+        let mut names: Vec<&str> = Metric::ALL.iter().map(|m| m.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), Metric::ALL.len());
+    }
+}

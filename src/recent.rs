@@ -14,7 +14,7 @@ use crate::record::Record;
 
 /// What the cache knows about a key and request body.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Lookup {
+pub enum Cached {
     /// The record stored for this key and body.
     Replay(Record),
     /// A record stored for this key with another body (the store would answer `mismatch`).
@@ -24,7 +24,7 @@ pub enum Lookup {
 }
 
 #[derive(Debug)]
-struct Entry {
+struct CachedRecord {
     body_hash: String,
     record: Record,
     /// Milliseconds since the Unix epoch (the host's clock).
@@ -36,7 +36,7 @@ struct Entry {
 
 #[derive(Debug)]
 pub struct Recent {
-    entries: HashMap<String, Entry>,
+    entries: HashMap<String, CachedRecord>,
     /// Insertion order, for eviction; stale positions (of a key since re-inserted or removed)
     /// are skipped when they reach the front.
     order: VecDeque<(String, u64)>,
@@ -80,18 +80,18 @@ impl Recent {
         self.bytes
     }
 
-    pub fn lookup(&mut self, key: &str, body_hash: &str, now_ms: u64) -> Lookup {
+    pub fn lookup(&mut self, key: &str, body_hash: &str, now_ms: u64) -> Cached {
         let Some(entry) = self.entries.get(key) else {
-            return Lookup::Miss;
+            return Cached::Miss;
         };
         if entry.expires_ms <= now_ms {
             self.remove(key);
-            return Lookup::Miss;
+            return Cached::Miss;
         }
         if entry.body_hash == body_hash {
-            Lookup::Replay(entry.record.clone())
+            Cached::Replay(entry.record.clone())
         } else {
-            Lookup::Mismatch
+            Cached::Mismatch
         }
     }
 
@@ -122,8 +122,13 @@ impl Recent {
         self.next_generation += 1;
         self.bytes += cost;
         self.order.push_back((key.to_string(), generation));
-        let entry =
-            Entry { body_hash: body_hash.to_string(), record: record.clone(), expires_ms, cost, generation };
+        let entry = CachedRecord {
+            body_hash: body_hash.to_string(),
+            record: record.clone(),
+            expires_ms,
+            cost,
+            generation,
+        };
         self.entries.insert(key.to_string(), entry);
         // Stale queue positions pile up when keys are re-inserted: compact now and then.
         if self.order.len() > 2 * self.max_entries.max(16) {
@@ -169,11 +174,11 @@ mod tests {
     #[test]
     fn replays_until_expiry_then_misses() {
         let mut c = Recent::new(10, 1 << 20);
-        assert_eq!(c.lookup("k", H1, 0), Lookup::Miss);
+        assert_eq!(c.lookup("k", H1, 0), Cached::Miss);
         c.remember("k", H1, &record("{}"), 1_000, 0);
-        assert_eq!(c.lookup("k", H1, 999), Lookup::Replay(record("{}")));
-        assert_eq!(c.lookup("k", H2, 999), Lookup::Mismatch);
-        assert_eq!(c.lookup("k", H1, 1_000), Lookup::Miss, "expired exactly at its expiry");
+        assert_eq!(c.lookup("k", H1, 999), Cached::Replay(record("{}")));
+        assert_eq!(c.lookup("k", H2, 999), Cached::Mismatch);
+        assert_eq!(c.lookup("k", H1, 1_000), Cached::Miss, "expired exactly at its expiry");
         assert!(c.is_empty());
         assert_eq!(c.bytes(), 0);
     }
@@ -186,7 +191,7 @@ mod tests {
         for mut off in [Recent::new(0, 1 << 20), Recent::new(10, 0)] {
             assert!(!off.is_enabled());
             off.remember("k", H1, &record("{}"), 1_000, 0);
-            assert_eq!(off.lookup("k", H1, 1), Lookup::Miss);
+            assert_eq!(off.lookup("k", H1, 1), Cached::Miss);
         }
     }
 
@@ -197,8 +202,8 @@ mod tests {
             c.remember(k, H1, &record(k), 1_000, 0);
         }
         assert_eq!(c.len(), 3);
-        assert_eq!(c.lookup("a", H1, 1), Lookup::Miss);
-        assert_eq!(c.lookup("d", H1, 1), Lookup::Replay(record("d")));
+        assert_eq!(c.lookup("a", H1, 1), Cached::Miss);
+        assert_eq!(c.lookup("d", H1, 1), Cached::Replay(record("d")));
     }
 
     #[test]
@@ -211,11 +216,11 @@ mod tests {
             assert!(c.bytes() <= 5 * one);
         }
         assert_eq!(c.len(), 5);
-        assert_eq!(c.lookup("k19", H1, 1), Lookup::Replay(record(&body)));
-        assert_eq!(c.lookup("k14", H1, 1), Lookup::Miss);
+        assert_eq!(c.lookup("k19", H1, 1), Cached::Replay(record(&body)));
+        assert_eq!(c.lookup("k14", H1, 1), Cached::Miss);
         // A record bigger than a quarter of the budget is never cached.
         c.remember("big", H1, &record(&"y".repeat(2 * one)), 1_000, 0);
-        assert_eq!(c.lookup("big", H1, 1), Lookup::Miss);
+        assert_eq!(c.lookup("big", H1, 1), Cached::Miss);
         assert_eq!(c.len(), 5);
     }
 
@@ -230,6 +235,6 @@ mod tests {
         }
         let live: usize = c.entries.values().map(|e| e.cost).sum();
         assert_eq!(c.bytes(), live);
-        assert_eq!(c.lookup("hot", H1, 5_000), Lookup::Replay(record("{}")));
+        assert_eq!(c.lookup("hot", H1, 5_000), Cached::Replay(record("{}")));
     }
 }

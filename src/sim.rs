@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::detached::UpstreamAnswer;
 use crate::machine::{Effect, Stream, StreamView};
 use crate::record::Record;
-use crate::store::{BeginAnswer, StoreCall, StoreFault};
+use crate::store::{BeginAnswer, CalloutFault, StoreCall};
 
 /// A scripted host: headers, properties (`"source.address"`: the path joined with dots) and
 /// bodies the caller sets.
@@ -98,7 +98,7 @@ pub enum Event {
     },
     RequestTrailers,
     /// The store's answer to `begin`. A `Locked` answer gets a fresh token from the driver.
-    BeginAnswer(Result<BeginAnswer, StoreFault>),
+    BeginAnswer(Result<BeginAnswer, CalloutFault>),
     /// The response headers become `headers`.
     ResponseHeaders {
         headers: Vec<(String, Vec<u8>)>,
@@ -111,7 +111,7 @@ pub enum Event {
     },
     ResponseTrailers,
     /// The answer to a detached execution.
-    UpstreamAnswer(Result<UpstreamAnswer, StoreFault>),
+    UpstreamAnswer(Result<UpstreamAnswer, CalloutFault>),
     /// The stream is over (complete, reset, or the client went away).
     StreamEnd,
 }
@@ -131,7 +131,7 @@ pub struct Tally {
 #[derive(Debug)]
 struct Lock {
     token: String,
-    settled: u32,
+    ends: u32,
 }
 
 /// Feeds a [`Stream`] events and checks the invariants (see the module docs) after each.
@@ -187,7 +187,7 @@ impl Driver {
                 let answer = match answer {
                     Ok(BeginAnswer::Locked { .. }) if self.begin_pending => {
                         let token = format!("t{}", self.locks.len() + 1);
-                        self.locks.push(Lock { token: token.clone(), settled: 0 });
+                        self.locks.push(Lock { token: token.clone(), ends: 0 });
                         Ok(BeginAnswer::Locked { token })
                     }
                     other => other,
@@ -240,9 +240,9 @@ impl Driver {
         if !self.stream.is_settled() {
             return self.violation("not settled once every call was answered".into());
         }
-        if let Some(lock) = self.locks.iter().find(|l| l.settled != 1) {
+        if let Some(lock) = self.locks.iter().find(|l| l.ends != 1) {
             return self
-                .violation(format!("lock {} was committed or released {} times", lock.token, lock.settled));
+                .violation(format!("lock {} was committed or released {} times", lock.token, lock.ends));
         }
         Ok(())
     }
@@ -311,11 +311,11 @@ impl Driver {
                         return self.violation(format!("a commit of a record that cannot replay: {other:?}"))
                     }
                 }
-                self.settle(key, token)?;
+                self.end_lock(key, token)?;
                 self.tally.commits += 1;
             }
             Effect::Store(StoreCall::Release { key, token }) => {
-                self.settle(key, token)?;
+                self.end_lock(key, token)?;
                 self.tally.releases += 1;
             }
             Effect::SetRequestHeader(..) | Effect::RemoveRequestHeader(_) | Effect::Count(_) => {}
@@ -323,15 +323,15 @@ impl Driver {
         Ok(())
     }
 
-    fn settle(&mut self, key: &str, token: &str) -> Result<(), String> {
+    fn end_lock(&mut self, key: &str, token: &str) -> Result<(), String> {
         if self.begun.as_ref().map(|(k, _)| k.as_str()) != Some(key) {
             return self.violation(format!("a commit or release for another key: {key:?}"));
         }
         let Some(lock) = self.locks.iter_mut().find(|l| l.token == token) else {
             return self.violation(format!("a commit or release of a lock never granted: {token:?}"));
         };
-        lock.settled += 1;
-        if lock.settled > 1 {
+        lock.ends += 1;
+        if lock.ends > 1 {
             return self.violation(format!("lock {token} committed or released twice"));
         }
         Ok(())

@@ -1,5 +1,5 @@
 //! The filter's side of the store protocol (`idem_protocol`): the callout each store call
-//! becomes, and strict decoding of the answers. Anything unexpected is a [`StoreFault`].
+//! becomes, and strict decoding of the answers. Anything unexpected is a [`CalloutFault`].
 
 use idem_protocol as proto;
 use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
@@ -110,8 +110,10 @@ impl StoreCall {
     }
 }
 
+/// Why an HTTP callout gave no usable answer: a store call, or a detached execution's call to
+/// the upstream (see `detached`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreFault {
+pub enum CalloutFault {
     /// The callout could not be dispatched (unknown cluster, host error).
     Dispatch,
     /// The connection was reset or refused: the answer has no headers.
@@ -120,22 +122,22 @@ pub enum StoreFault {
     Timeout,
     /// The store answered with a non-200 status.
     Status(u16),
-    /// A 200 that does not follow the protocol.
+    /// An answer that does not follow the protocol.
     Garbage(&'static str),
 }
 
-impl std::fmt::Display for StoreFault {
+impl std::fmt::Display for CalloutFault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            StoreFault::Dispatch => f.write_str("callout could not be dispatched"),
-            StoreFault::Reset => f.write_str("connection reset or refused"),
-            StoreFault::Timeout => f.write_str("timed out"),
+            CalloutFault::Dispatch => f.write_str("callout could not be dispatched"),
+            CalloutFault::Reset => f.write_str("connection reset or refused"),
+            CalloutFault::Timeout => f.write_str("timed out"),
             // idemstore's only 401: its shared secret was missing or wrong.
-            StoreFault::Status(401) => f.write_str(
+            CalloutFault::Status(401) => f.write_str(
                 "store refused the secret (401): check store_secret / store_secret_env against idemstore's --secret",
             ),
-            StoreFault::Status(s) => write!(f, "answered status {s}"),
-            StoreFault::Garbage(what) => write!(f, "answered garbage: {what}"),
+            CalloutFault::Status(s) => write!(f, "answered status {s}"),
+            CalloutFault::Garbage(what) => write!(f, "answered garbage: {what}"),
         }
     }
 }
@@ -165,32 +167,32 @@ impl Answer<'_> {
     }
 
     /// The outcome header of a well-formed `200`, or the fault.
-    fn outcome(&self) -> Result<&[u8], StoreFault> {
+    fn outcome(&self) -> Result<&[u8], CalloutFault> {
         if self.headers.is_empty() {
-            return Err(StoreFault::Reset);
+            return Err(CalloutFault::Reset);
         }
         let status = self
             .header(":status")
             .and_then(|s| std::str::from_utf8(s).ok())
             .and_then(|s| s.parse::<u16>().ok())
-            .ok_or(StoreFault::Garbage("no status"))?;
+            .ok_or(CalloutFault::Garbage("no status"))?;
         match status {
-            200 => self.header(proto::HEADER_OUTCOME).ok_or(StoreFault::Garbage("no outcome")),
-            504 => Err(StoreFault::Timeout),
-            other => Err(StoreFault::Status(other)),
+            200 => self.header(proto::HEADER_OUTCOME).ok_or(CalloutFault::Garbage("no outcome")),
+            504 => Err(CalloutFault::Timeout),
+            other => Err(CalloutFault::Status(other)),
         }
     }
 
-    pub fn begin(&self) -> Result<BeginAnswer, StoreFault> {
-        let outcome = BeginOutcome::parse(self.outcome()?).ok_or(StoreFault::Garbage("unknown outcome"))?;
+    pub fn begin(&self) -> Result<BeginAnswer, CalloutFault> {
+        let outcome = BeginOutcome::parse(self.outcome()?).ok_or(CalloutFault::Garbage("unknown outcome"))?;
         Ok(match outcome {
             BeginOutcome::Record => {
-                BeginAnswer::Replay(Record::decode(self.body).map_err(|e| StoreFault::Garbage(e.0))?)
+                BeginAnswer::Replay(Record::decode(self.body).map_err(|e| CalloutFault::Garbage(e.0))?)
             }
             BeginOutcome::Locked => {
-                let token = self.header(proto::HEADER_TOKEN).ok_or(StoreFault::Garbage("no token"))?;
+                let token = self.header(proto::HEADER_TOKEN).ok_or(CalloutFault::Garbage("no token"))?;
                 if !proto::is_token(token) {
-                    return Err(StoreFault::Garbage("bad token"));
+                    return Err(CalloutFault::Garbage("bad token"));
                 }
                 BeginAnswer::Locked { token: String::from_utf8_lossy(token).into_owned() }
             }
@@ -212,12 +214,12 @@ impl Answer<'_> {
         self.header(proto::HEADER_TTL_MS).and_then(|v| proto::parse_bounded(v, max_ms))
     }
 
-    pub fn commit(&self) -> Result<CommitOutcome, StoreFault> {
-        CommitOutcome::parse(self.outcome()?).ok_or(StoreFault::Garbage("unknown outcome"))
+    pub fn commit(&self) -> Result<CommitOutcome, CalloutFault> {
+        CommitOutcome::parse(self.outcome()?).ok_or(CalloutFault::Garbage("unknown outcome"))
     }
 
-    pub fn release(&self) -> Result<ReleaseOutcome, StoreFault> {
-        ReleaseOutcome::parse(self.outcome()?).ok_or(StoreFault::Garbage("unknown outcome"))
+    pub fn release(&self) -> Result<ReleaseOutcome, CalloutFault> {
+        ReleaseOutcome::parse(self.outcome()?).ok_or(CalloutFault::Garbage("unknown outcome"))
     }
 }
 
@@ -302,9 +304,9 @@ mod tests {
 
     #[test]
     fn a_refused_secret_says_so() {
-        let text = StoreFault::Status(401).to_string();
+        let text = CalloutFault::Status(401).to_string();
         assert!(text.contains("store refused the secret (401)"), "{text}");
-        assert_eq!(StoreFault::Status(503).to_string(), "answered status 503");
+        assert_eq!(CalloutFault::Status(503).to_string(), "answered status 503");
     }
 
     #[test]
@@ -365,21 +367,21 @@ mod tests {
 
     #[test]
     fn faults() {
-        let cases: Vec<(Headers, &[u8], StoreFault)> = vec![
-            (vec![], b"", StoreFault::Reset),
-            (answer("504", None, &[]), b"", StoreFault::Timeout),
-            (answer("503", None, &[]), b"", StoreFault::Status(503)),
-            (answer("401", None, &[]), b"missing or wrong x-idem-secret", StoreFault::Status(401)),
-            (answer("abc", None, &[]), b"", StoreFault::Garbage("no status")),
-            (answer("200", None, &[]), b"", StoreFault::Garbage("no outcome")),
-            (answer("200", Some("what"), &[]), b"", StoreFault::Garbage("unknown outcome")),
-            (answer("200", Some("locked"), &[]), b"", StoreFault::Garbage("no token")),
+        let cases: Vec<(Headers, &[u8], CalloutFault)> = vec![
+            (vec![], b"", CalloutFault::Reset),
+            (answer("504", None, &[]), b"", CalloutFault::Timeout),
+            (answer("503", None, &[]), b"", CalloutFault::Status(503)),
+            (answer("401", None, &[]), b"missing or wrong x-idem-secret", CalloutFault::Status(401)),
+            (answer("abc", None, &[]), b"", CalloutFault::Garbage("no status")),
+            (answer("200", None, &[]), b"", CalloutFault::Garbage("no outcome")),
+            (answer("200", Some("what"), &[]), b"", CalloutFault::Garbage("unknown outcome")),
+            (answer("200", Some("locked"), &[]), b"", CalloutFault::Garbage("no token")),
             (
                 answer("200", Some("locked"), &[(proto::HEADER_TOKEN, "a b")]),
                 b"",
-                StoreFault::Garbage("bad token"),
+                CalloutFault::Garbage("bad token"),
             ),
-            (answer("200", Some("record"), &[]), b"junk", StoreFault::Garbage("bad magic")),
+            (answer("200", Some("record"), &[]), b"junk", CalloutFault::Garbage("bad magic")),
         ];
         for (h, body, fault) in cases {
             assert_eq!(Answer { headers: &h, body }.begin(), Err(fault));

@@ -254,7 +254,8 @@ const ODD_POINTERS: [&str; 14] =
 const POINTERS: usize = 16;
 
 fn json_hash(body: &[u8]) {
-    let raw: Digest32 = Sha256::new().chain_update(b"idempotency-raw/v1\n").chain_update(body).finalize().into();
+    let raw: Digest32 =
+        Sha256::new().chain_update(b"idempotency-raw/v1\n").chain_update(body).finalize().into();
     let Ok(doc) = serde_json::from_slice::<Value>(body) else {
         for canonical in [true, false] {
             let ignore = ODD_POINTERS.iter().map(|p| p.to_string()).collect();

@@ -23,7 +23,7 @@ use idempotency_filter::config::Config;
 use idempotency_filter::detached::UpstreamAnswer;
 use idempotency_filter::fingerprint::RequestPrint;
 use idempotency_filter::sim::{Driver, Event, MockView};
-use idempotency_filter::store::{BeginAnswer, StoreFault};
+use idempotency_filter::store::{BeginAnswer, CalloutFault};
 use libfuzzer_sys::fuzz_target;
 
 const MAX_EVENTS: usize = 48;
@@ -381,13 +381,13 @@ enum Fault {
 }
 
 impl Fault {
-    fn fault(self) -> StoreFault {
+    fn fault(self) -> CalloutFault {
         match self {
-            Fault::Dispatch => StoreFault::Dispatch,
-            Fault::Reset => StoreFault::Reset,
-            Fault::Timeout => StoreFault::Timeout,
-            Fault::Status(s) => StoreFault::Status(s),
-            Fault::Garbage => StoreFault::Garbage("fuzz"),
+            Fault::Dispatch => CalloutFault::Dispatch,
+            Fault::Reset => CalloutFault::Reset,
+            Fault::Timeout => CalloutFault::Timeout,
+            Fault::Status(s) => CalloutFault::Status(s),
+            Fault::Garbage => CalloutFault::Garbage("fuzz"),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The filter's decoding of store answers (`store::Answer`: status + headers + body -> outcome or
-//! `StoreFault`), for `begin`, `commit` and `release`. Never panics, and:
+//! `CalloutFault`), for `begin`, `commit` and `release`. Never panics, and:
 //!
 //! * no headers is a reset; a first `:status` that is not a number is garbage; `504` is a
 //!   timeout; any other non-200 status is `Status(that status)`;
@@ -20,7 +20,7 @@ use fuzz_common::{ArbRecord, Bytes, Name};
 use idem_protocol as proto;
 use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
 use idempotency_filter::record::Record;
-use idempotency_filter::store::{Answer, BeginAnswer, StoreFault};
+use idempotency_filter::store::{Answer, BeginAnswer, CalloutFault};
 use libfuzzer_sys::fuzz_target;
 
 const WIRE_NAMES: [&str; 9] =
@@ -129,13 +129,13 @@ fuzz_target!(|input: Input| {
         .and_then(|s| std::str::from_utf8(s).ok())
         .and_then(|s| s.parse::<u16>().ok());
     let expected = if headers.is_empty() {
-        Some(StoreFault::Reset)
+        Some(CalloutFault::Reset)
     } else {
         match status {
-            None => Some(StoreFault::Garbage("no status")),
+            None => Some(CalloutFault::Garbage("no status")),
             Some(200) => None,
-            Some(504) => Some(StoreFault::Timeout),
-            Some(other) => Some(StoreFault::Status(other)),
+            Some(504) => Some(CalloutFault::Timeout),
+            Some(other) => Some(CalloutFault::Status(other)),
         }
     };
     if let Some(fault) = expected {
@@ -146,7 +146,7 @@ fuzz_target!(|input: Input| {
     }
     let outcome = first(&headers, proto::HEADER_OUTCOME);
     if outcome.is_none() {
-        let fault = StoreFault::Garbage("no outcome");
+        let fault = CalloutFault::Garbage("no outcome");
         assert_eq!(
             (begin.as_ref().err(), commit.err(), release.err()),
             (Some(&fault), Some(fault), Some(fault))
@@ -179,11 +179,11 @@ fuzz_target!(|input: Input| {
             };
             assert_eq!(wire.as_str().as_bytes(), outcome);
         }
-        Err(StoreFault::Garbage(_)) => {}
+        Err(CalloutFault::Garbage(_)) => {}
         Err(other) => panic!("a 200 with an outcome answered {other:?}"),
     }
     match BeginOutcome::parse(outcome) {
-        None => assert_eq!(begin.as_ref().err(), Some(&StoreFault::Garbage("unknown outcome"))),
+        None => assert_eq!(begin.as_ref().err(), Some(&CalloutFault::Garbage("unknown outcome"))),
         Some(BeginOutcome::Busy) => {
             let lock_ms = decimal(&headers, proto::HEADER_LOCK_REMAINING_MS, proto::MAX_LOCK_TTL_MS);
             assert_eq!(begin.as_ref().ok(), Some(&BeginAnswer::Busy { lock_ms }));

@@ -43,7 +43,7 @@ use crate::store::{Begin, Store};
 /// Where idemstore serves its Prometheus metrics, on the same listener as the protocol.
 pub const PATH_METRICS: &str = "/metrics";
 
-/// How the HTTP layer guards the store.
+/// How the HTTP layer protects the store.
 #[derive(Debug, Clone)]
 pub struct Options {
     /// Largest record `commit` accepts; larger bodies get `413`.
@@ -55,7 +55,7 @@ pub struct Options {
     /// timings, never a key, token or record, and a Prometheus scraper should not need the
     /// store's secret; they are on the same listener, so whatever can reach the port can read
     /// them: keep the listener private (as the protocol needs anyway).
-    pub secret: Option<Arc<Guard>>,
+    pub secret: Option<Arc<SecretCheck>>,
 }
 
 impl Options {
@@ -64,14 +64,14 @@ impl Options {
     }
 
     pub fn with_secret(mut self, secret: Secret) -> Self {
-        self.secret = Some(Arc::new(Guard::new(secret)));
+        self.secret = Some(Arc::new(SecretCheck::new(secret)));
         self
     }
 }
 
 /// The secret and the count of requests refused for lacking it.
 #[derive(Debug)]
-pub struct Guard {
+pub struct SecretCheck {
     secret: Secret,
     refused: AtomicU64,
     /// When the last refusal was logged: at most one line a second, so a prober cannot fill
@@ -82,7 +82,7 @@ pub struct Guard {
 /// Refusals logged at most this often; the count covers the ones in between.
 const REFUSAL_LOG_PERIOD: Duration = Duration::from_secs(1);
 
-impl Guard {
+impl SecretCheck {
     pub fn new(secret: Secret) -> Self {
         Self { secret, refused: AtomicU64::new(0), logged: Mutex::new(None) }
     }
@@ -124,13 +124,13 @@ impl Guard {
 
 /// The secret check and what it needs to count refusals.
 struct Gate<B> {
-    guard: Arc<Guard>,
+    secret: Arc<SecretCheck>,
     store: Arc<Store<B>>,
 }
 
 impl<B> Clone for Gate<B> {
     fn clone(&self) -> Self {
-        Self { guard: Arc::clone(&self.guard), store: Arc::clone(&self.store) }
+        Self { secret: Arc::clone(&self.secret), store: Arc::clone(&self.store) }
     }
 }
 
@@ -140,11 +140,11 @@ async fn authorize<B: Backend>(State(gate): State<Gate<B>>, request: Request, ne
     if path == proto::PATH_HEALTH || path == PATH_METRICS {
         return next.run(request).await;
     }
-    match gate.guard.check(request.headers()) {
+    match gate.secret.check(request.headers()) {
         None => next.run(request).await,
         Some(why) => {
             gate.store.metrics().reject(Rejection::Secret);
-            gate.guard.refuse(why, path)
+            gate.secret.refuse(why, path)
         }
     }
 }
@@ -161,7 +161,7 @@ pub fn router<B: Backend>(store: Arc<Store<B>>, options: Options) -> Router {
         .layer(DefaultBodyLimit::max(options.max_body_bytes))
         .with_state(Arc::clone(&store));
     match options.secret {
-        Some(guard) => router.layer(middleware::from_fn_with_state(Gate { guard, store }, authorize::<B>)),
+        Some(secret) => router.layer(middleware::from_fn_with_state(Gate { secret, store }, authorize::<B>)),
         None => router,
     }
 }

@@ -11,7 +11,7 @@ use common::client::{serve, serve_with, Client, Version};
 use hyper::StatusCode;
 use idem_protocol as proto;
 use idemstore::backend::memory::MemoryBackend;
-use idemstore::http::{Guard, Options};
+use idemstore::http::{Options, SecretCheck};
 use idemstore::secret::Secret;
 use idemstore::store::Store;
 use tokio::net::TcpListener;
@@ -186,7 +186,7 @@ fn begin_headers<'a>(key: &'a str, hash: &'a str) -> Vec<(&'static str, &'a str)
 
 async fn secret_required(version: Version) {
     let backend = MemoryBackend::new(1000);
-    let guard = Arc::new(Guard::new(Secret::new(SECRET).unwrap()));
+    let guard = Arc::new(SecretCheck::new(Secret::new(SECRET).unwrap()));
     let options = Options { max_body_bytes: 1024, secret: Some(Arc::clone(&guard)) };
     let addr = serve_with(backend.clone(), options).await;
     let bare = Client::new(addr, version).await;

@@ -14,7 +14,7 @@ use hyper::StatusCode;
 use idem_protocol as proto;
 use idemstore::backend::memory::MemoryBackend;
 use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result};
-use idemstore::http::{Guard, Options, PATH_METRICS};
+use idemstore::http::{Options, SecretCheck, PATH_METRICS};
 use idemstore::secret::Secret;
 use idemstore::store::Store;
 
@@ -256,8 +256,8 @@ const SECRET: &str = "metrics-secret";
 /// `/metrics` needs no secret (and ignores a wrong one); refusals for the secret are counted.
 #[tokio::test]
 async fn metrics_need_no_secret_and_count_refusals() {
-    let guard = Arc::new(Guard::new(Secret::new(SECRET).unwrap()));
-    let options = Options { max_body_bytes: 1024, secret: Some(Arc::clone(&guard)) };
+    let check = Arc::new(SecretCheck::new(Secret::new(SECRET).unwrap()));
+    let options = Options { max_body_bytes: 1024, secret: Some(Arc::clone(&check)) };
     let addr = serve_with(MemoryBackend::new(1000), options).await;
     let bare = Client::new(addr, Version::H2c).await;
     let right = bare.with_secret(Some(SECRET));
@@ -275,7 +275,7 @@ async fn metrics_need_no_secret_and_count_refusals() {
         assert_eq!(scrape.requests("begin", "locked"), 1.0);
         assert_eq!(scrape.requests_of("release"), 0.0);
     }
-    assert_eq!(guard.refused(), 3);
+    assert_eq!(check.refused(), 3);
 }
 
 /// A backend that fails every call, as Redis down would.
