@@ -1,8 +1,10 @@
-//! Plugin configuration: the JSON in Envoy's `configuration` StringValue, parsed and validated
-//! once at load. Every error names the offending key and, for numbers, the allowed range, because
-//! that message is all an operator sees in Envoy's log when the filter is refused.
+//! Plugin configuration: the JSON in Envoy's `configuration` StringValue, declared once
+//! ([`RawConfig`]), parsed by serde and validated once at load ([`Config::validate`]). Every
+//! error names the offending key and, for numbers, the allowed range, because that message is
+//! all an operator sees in Envoy's log when the filter is refused.
 
-use serde_json::Value;
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::{json, Value};
 use std::fmt;
 use std::ops::RangeInclusive;
 
@@ -185,6 +187,104 @@ fn err(key: &str, message: impl Into<String>) -> ConfigError {
     ConfigError { key: key.to_string(), message: message.into() }
 }
 
+/// A key's value as written, JSON `null` included (`None`: the key is absent), so that every
+/// key decides for itself whether `null` means "not set" or is refused.
+fn given<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
+/// Declares the keys of a configuration object: each one a field holding its JSON value, any
+/// other key refused by serde (`deny_unknown_fields`). The values are checked by
+/// [`Config::validate`], whose errors name the key and its range.
+macro_rules! keys {
+    ($(#[$meta:meta])* $name:ident { $($(#[$doc:meta])* $key:ident,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct $name {
+            $(
+                $(#[$doc])*
+                #[serde(default, deserialize_with = "given", skip_serializing_if = "Option::is_none")]
+                pub $key: Option<Value>,
+            )*
+        }
+    };
+}
+
+keys! {
+    /// The plugin configuration as written: the one declaration of its keys
+    /// (docs/configuration.md documents each).
+    RawConfig {
+        store_cluster,
+        store_timeout_ms,
+        retention_seconds,
+        lock_ttl_ms,
+        lock_wait_ms,
+        methods,
+        require_key,
+        max_key_length,
+        max_body_bytes,
+        max_record_bytes,
+        replay_header,
+        replay_headers,
+        subject,
+        failure_mode,
+        detached_execution,
+        detached_timeout_ms,
+        store_key_header,
+        store_secret,
+        store_secret_env,
+        pause_on_headers,
+        record_cache_entries,
+        record_cache_bytes,
+        mode,
+        inbox,
+        fingerprint_headers,
+        fingerprint_json,
+        store_statuses,
+        store_content_types,
+        record_too_large,
+        body_omitted_header,
+    }
+}
+
+keys! {
+    /// `inbox`, in inbox mode.
+    RawInbox {
+        message_id,
+        missing_id,
+        duplicate_status,
+    }
+}
+
+keys! {
+    /// `fingerprint_json`.
+    RawJsonPrint {
+        canonical,
+        ignore,
+    }
+}
+
+/// `value` as the keys of `T`: not an object, or a key `T` does not declare, is refused, named
+/// under `prefix` (`""` at the top, else e.g. `"inbox."`).
+fn object<T: for<'de> Deserialize<'de>>(value: Value, prefix: &str) -> Result<T, ConfigError> {
+    let key = prefix.trim_end_matches('.');
+    if !value.is_object() {
+        let message = match key {
+            "" => "configuration must be a JSON object".to_string(),
+            _ => format!("must be an object, got {}", type_name(&value)),
+        };
+        return Err(err(key, message));
+    }
+    serde_json::from_value(value).map_err(|e| {
+        let text = e.to_string();
+        match text.strip_prefix("unknown field `").and_then(|rest| rest.split_once('`')) {
+            Some((unknown, _)) => err(&format!("{prefix}{unknown}"), "is not a known key"),
+            None => err(key, text),
+        }
+    })
+}
+
 pub const RETENTION_SECONDS: RangeInclusive<u64> = 1..=idem_protocol::MAX_RETENTION_S;
 pub const STORE_TIMEOUT_MS: RangeInclusive<u64> = 1..=60_000;
 pub const LOCK_TTL_MS: RangeInclusive<u64> = 100..=idem_protocol::MAX_LOCK_TTL_MS;
@@ -213,59 +313,55 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let value: Value = serde_json::from_slice(bytes)
             .map_err(|e| err("", format!("configuration is not valid JSON: {e}")))?;
-        let Value::Object(mut map) = value else {
-            return Err(err("", "configuration must be a JSON object"));
-        };
-        let mut take = |key: &str| map.remove(key);
+        Self::validate(object(value, "")?, env)
+    }
 
-        let store_cluster = match take("store_cluster") {
+    /// Checks every key of a configuration as written and builds the configuration.
+    pub fn validate(raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let store_cluster = match raw.store_cluster {
             None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
             Some(v) => non_empty_string("store_cluster", v)?,
         };
-        let store_timeout_ms = number(take("store_timeout_ms"), "store_timeout_ms", STORE_TIMEOUT_MS, 1000)?;
+        let store_timeout_ms = number(raw.store_timeout_ms, "store_timeout_ms", STORE_TIMEOUT_MS, 1000)?;
         let retention_seconds =
-            number(take("retention_seconds"), "retention_seconds", RETENTION_SECONDS, 86_400)?;
-        let lock_ttl_ms = number(take("lock_ttl_ms"), "lock_ttl_ms", LOCK_TTL_MS, 30_000)?;
-        let lock_wait_ms = number(take("lock_wait_ms"), "lock_wait_ms", LOCK_WAIT_MS, 5_000)?;
-        let methods = match take("methods") {
+            number(raw.retention_seconds, "retention_seconds", RETENTION_SECONDS, 86_400)?;
+        let lock_ttl_ms = number(raw.lock_ttl_ms, "lock_ttl_ms", LOCK_TTL_MS, 30_000)?;
+        let lock_wait_ms = number(raw.lock_wait_ms, "lock_wait_ms", LOCK_WAIT_MS, 5_000)?;
+        let methods = match raw.methods {
             None => vec!["POST".to_string(), "PATCH".to_string()],
             Some(v) => methods(v)?,
         };
-        let require_key = boolean(take("require_key"), "require_key", false)?;
-        let max_key_length = number(take("max_key_length"), "max_key_length", MAX_KEY_LENGTH, 255)? as usize;
+        let require_key = boolean(raw.require_key, "require_key", false)?;
+        let max_key_length = number(raw.max_key_length, "max_key_length", MAX_KEY_LENGTH, 255)? as usize;
         let max_body_bytes =
-            number(take("max_body_bytes"), "max_body_bytes", MAX_BODY_BYTES, 1_048_576)? as usize;
+            number(raw.max_body_bytes, "max_body_bytes", MAX_BODY_BYTES, 1_048_576)? as usize;
         let max_record_bytes =
-            number(take("max_record_bytes"), "max_record_bytes", MAX_RECORD_BYTES, 1_048_576)? as usize;
-        let replay_header = match take("replay_header") {
+            number(raw.max_record_bytes, "max_record_bytes", MAX_RECORD_BYTES, 1_048_576)? as usize;
+        let replay_header = match raw.replay_header {
             None => "x-idempotent-replay".to_string(),
             Some(v) => header_name("replay_header", v)?,
         };
-        let replay_headers = match take("replay_headers") {
+        let replay_headers = match raw.replay_headers {
             None => vec!["content-type".to_string(), "location".to_string()],
             Some(v) => replay_headers(v)?,
         };
-        let subject = match take("subject") {
+        let subject = match raw.subject {
             None | Some(Value::Null) => Subject::ClientIp,
             Some(v) => subject(v)?,
         };
-        let failure_mode = match take("failure_mode") {
+        let failure_mode = match raw.failure_mode {
             None => FailureMode::Open,
             Some(Value::String(s)) if s == "open" => FailureMode::Open,
             Some(Value::String(s)) if s == "closed" => FailureMode::Closed,
             Some(_) => return Err(err("failure_mode", "must be \"open\" or \"closed\"")),
         };
 
-        let detached_execution = boolean(take("detached_execution"), "detached_execution", false)?;
+        let detached_execution = boolean(raw.detached_execution, "detached_execution", false)?;
         // A detached call that outlived its lock would run unguarded: it is bounded by the TTL.
-        let detached_timeout_ms = number(
-            take("detached_timeout_ms"),
-            "detached_timeout_ms",
-            1..=lock_ttl_ms,
-            15_000.min(lock_ttl_ms),
-        )
-        .map_err(|e| ConfigError { message: format!("{} (at most lock_ttl_ms)", e.message), ..e })?;
-        let store_key_header = match take("store_key_header") {
+        let detached_timeout_ms =
+            number(raw.detached_timeout_ms, "detached_timeout_ms", 1..=lock_ttl_ms, 15_000.min(lock_ttl_ms))
+                .map_err(|e| ConfigError { message: format!("{} (at most lock_ttl_ms)", e.message), ..e })?;
+        let store_key_header = match raw.store_key_header {
             None | Some(Value::Null) => None,
             Some(v) => {
                 let name = header_name("store_key_header", v)?;
@@ -276,38 +372,37 @@ impl Config {
             }
         };
 
-        let store_secret = store_secret(take("store_secret"), take("store_secret_env"), env)?;
-        let pause_on_headers = boolean(take("pause_on_headers"), "pause_on_headers", true)?;
+        let store_secret = store_secret(raw.store_secret, raw.store_secret_env, env)?;
+        let pause_on_headers = boolean(raw.pause_on_headers, "pause_on_headers", true)?;
         let record_cache_entries =
-            number(take("record_cache_entries"), "record_cache_entries", RECORD_CACHE_ENTRIES, 1024)?
-                as usize;
+            number(raw.record_cache_entries, "record_cache_entries", RECORD_CACHE_ENTRIES, 1024)? as usize;
         let record_cache_bytes =
-            number(take("record_cache_bytes"), "record_cache_bytes", RECORD_CACHE_BYTES, 4 * 1024 * 1024)?
+            number(raw.record_cache_bytes, "record_cache_bytes", RECORD_CACHE_BYTES, 4 * 1024 * 1024)?
                 as usize;
-        let mode = mode(take("mode"), take("inbox"))?;
-        let fingerprint_headers = match take("fingerprint_headers") {
+        let mode = mode(raw.mode, raw.inbox)?;
+        let fingerprint_headers = match raw.fingerprint_headers {
             None | Some(Value::Null) => Vec::new(),
             Some(v) => fingerprint_headers(v)?,
         };
-        let fingerprint_json = match take("fingerprint_json") {
+        let fingerprint_json = match raw.fingerprint_json {
             None | Some(Value::Null) => None,
             Some(v) => Some(fingerprint_json(v)?),
         };
-        let store_statuses = match take("store_statuses") {
+        let store_statuses = match raw.store_statuses {
             None => StatusSet::default(),
             Some(v) => store_statuses(v)?,
         };
-        let store_content_types = match take("store_content_types") {
+        let store_content_types = match raw.store_content_types {
             None | Some(Value::Null) => None,
             Some(v) => Some(store_content_types(v)?),
         };
-        let record_too_large = match take("record_too_large") {
+        let record_too_large = match raw.record_too_large {
             None => TooLarge::OmitBody,
             Some(Value::String(s)) if s == "omit_body" => TooLarge::OmitBody,
             Some(Value::String(s)) if s == "release" => TooLarge::Release,
             Some(_) => return Err(err("record_too_large", "must be \"omit_body\" or \"release\"")),
         };
-        let body_omitted_header = match take("body_omitted_header") {
+        let body_omitted_header = match raw.body_omitted_header {
             None => "x-idempotent-body-omitted".to_string(),
             Some(v) => header_name("body_omitted_header", v)?,
         };
@@ -362,9 +457,6 @@ impl Config {
             }
         }
 
-        if let Some(unknown) = map.keys().next() {
-            return Err(err(unknown, "is not a known key"));
-        }
         Ok(Config {
             store_cluster,
             store_timeout_ms,
@@ -395,6 +487,110 @@ impl Config {
             record_too_large,
             body_omitted_header,
         })
+    }
+
+    /// The configuration as an operator would write it, every key explicit: what
+    /// [`Config::validate`] takes back as the same configuration (the config fuzz target checks
+    /// it). The destructuring names every field, so that a new one does not build until it is
+    /// written here too.
+    pub fn to_raw(&self) -> RawConfig {
+        let Config {
+            store_cluster,
+            store_timeout_ms,
+            retention_seconds,
+            lock_ttl_ms,
+            lock_wait_ms,
+            methods,
+            require_key,
+            max_key_length,
+            max_body_bytes,
+            max_record_bytes,
+            replay_header,
+            replay_headers,
+            subject,
+            failure_mode,
+            detached_execution,
+            detached_timeout_ms,
+            store_key_header,
+            store_secret,
+            pause_on_headers,
+            record_cache_entries,
+            record_cache_bytes,
+            mode,
+            fingerprint_headers,
+            fingerprint_json,
+            store_statuses,
+            store_content_types,
+            record_too_large,
+            body_omitted_header,
+        } = self;
+        let subject = match subject {
+            Subject::ClientIp => Value::Null,
+            Subject::Header(h) => json!({ "header": h }),
+            Subject::Metadata { filter, path } => json!({ "metadata": { "filter": filter, "path": path } }),
+        };
+        let (mode, inbox) = match mode {
+            Mode::IdempotencyKey => ("idempotency_key", None),
+            Mode::Inbox(Inbox { message_id, missing_id, duplicate_status }) => {
+                let message_id = match message_id {
+                    MessageIdSource::CloudEvents => json!("cloudevents"),
+                    MessageIdSource::Header(h) => json!({ "header": h }),
+                    MessageIdSource::JsonPointer(p) => json!({ "json_pointer": p }),
+                };
+                let missing_id = match missing_id {
+                    MissingId::Reject => "reject",
+                    MissingId::Pass => "pass",
+                };
+                let inbox = RawInbox {
+                    message_id: Some(message_id),
+                    missing_id: Some(json!(missing_id)),
+                    duplicate_status: Some(json!(duplicate_status)),
+                };
+                ("inbox", serde_json::to_value(inbox).ok())
+            }
+        };
+        RawConfig {
+            store_cluster: Some(json!(store_cluster)),
+            store_timeout_ms: Some(json!(store_timeout_ms)),
+            retention_seconds: Some(json!(retention_seconds)),
+            lock_ttl_ms: Some(json!(lock_ttl_ms)),
+            lock_wait_ms: Some(json!(lock_wait_ms)),
+            methods: Some(json!(methods)),
+            require_key: Some(json!(require_key)),
+            max_key_length: Some(json!(max_key_length)),
+            max_body_bytes: Some(json!(max_body_bytes)),
+            max_record_bytes: Some(json!(max_record_bytes)),
+            replay_header: Some(json!(replay_header)),
+            replay_headers: Some(json!(replay_headers)),
+            subject: Some(subject),
+            failure_mode: Some(json!(match failure_mode {
+                FailureMode::Open => "open",
+                FailureMode::Closed => "closed",
+            })),
+            detached_execution: Some(json!(detached_execution)),
+            detached_timeout_ms: Some(json!(detached_timeout_ms)),
+            store_key_header: Some(json!(store_key_header)),
+            store_secret: Some(json!(store_secret.as_ref().map(StoreSecret::as_str))),
+            store_secret_env: None,
+            pause_on_headers: Some(json!(pause_on_headers)),
+            record_cache_entries: Some(json!(record_cache_entries)),
+            record_cache_bytes: Some(json!(record_cache_bytes)),
+            mode: Some(json!(mode)),
+            inbox,
+            fingerprint_headers: Some(json!(fingerprint_headers)),
+            fingerprint_json: Some(json!(fingerprint_json
+                .as_ref()
+                .map(|JsonPrint { canonical, ignore }| json!({ "canonical": canonical, "ignore": ignore })))),
+            store_statuses: Some(json!(store_statuses.entries())),
+            store_content_types: Some(json!(store_content_types
+                .as_ref()
+                .map(|list| list.iter().map(ToString::to_string).collect::<Vec<_>>()))),
+            record_too_large: Some(json!(match record_too_large {
+                TooLarge::OmitBody => "omit_body",
+                TooLarge::Release => "release",
+            })),
+            body_omitted_header: Some(json!(body_omitted_header)),
+        }
     }
 
     /// The inbox settings, in inbox mode.
@@ -513,18 +709,18 @@ fn fingerprint_headers(v: Value) -> Result<Vec<String>, ConfigError> {
 }
 
 fn fingerprint_json(v: Value) -> Result<JsonPrint, ConfigError> {
-    let key = "fingerprint_json";
-    let Value::Object(mut obj) = v else {
+    if !v.is_object() {
         return Err(err(
-            key,
+            "fingerprint_json",
             format!(
                 "must be an object like {{\"canonical\": true, \"ignore\": [\"/a\"]}}, got {}",
                 type_name(&v)
             ),
         ));
-    };
-    let canonical = boolean(obj.remove("canonical"), "fingerprint_json.canonical", true)?;
-    let ignore = match obj.remove("ignore") {
+    }
+    let raw: RawJsonPrint = object(v, "fingerprint_json.")?;
+    let canonical = boolean(raw.canonical, "fingerprint_json.canonical", true)?;
+    let ignore = match raw.ignore {
         None | Some(Value::Null) => Vec::new(),
         Some(v) => string_list("fingerprint_json.ignore", v)?,
     };
@@ -535,9 +731,6 @@ fn fingerprint_json(v: Value) -> Result<JsonPrint, ConfigError> {
                 format!("entries must be JSON pointers (RFC 6901) starting with \"/\", got {pointer:?}"),
             ));
         }
-    }
-    if let Some(unknown) = obj.keys().next() {
-        return Err(err(&format!("fingerprint_json.{unknown}"), "is not a known key"));
     }
     Ok(JsonPrint { canonical, ignore })
 }
@@ -632,28 +825,24 @@ fn mode(mode: Option<Value>, inbox: Option<Value>) -> Result<Mode, ConfigError> 
             Some(_) => Err(err("inbox", "is only allowed with `\"mode\": \"inbox\"`")),
         };
     }
-    let mut obj = match inbox {
-        None => serde_json::Map::new(),
-        Some(Value::Object(obj)) => obj,
-        Some(other) => return Err(err("inbox", format!("must be an object, got {}", type_name(&other)))),
+    let raw: RawInbox = match inbox {
+        None => RawInbox::default(),
+        Some(v) => object(v, "inbox.")?,
     };
-    let message_id = match obj.remove("message_id") {
+    let message_id = match raw.message_id {
         None => MessageIdSource::CloudEvents,
         Some(v) => message_id(v)?,
     };
-    let missing_id = match obj.remove("missing_id") {
+    let missing_id = match raw.missing_id {
         None => MissingId::Reject,
         Some(Value::String(s)) if s == "reject" => MissingId::Reject,
         Some(Value::String(s)) if s == "pass" => MissingId::Pass,
         Some(_) => return Err(err("inbox.missing_id", "must be \"reject\" or \"pass\"")),
     };
-    let duplicate_status = match obj.remove("duplicate_status") {
+    let duplicate_status = match raw.duplicate_status {
         None | Some(Value::Null) => None,
         Some(v) => Some(number(Some(v), "inbox.duplicate_status", DUPLICATE_STATUS, 200)? as u16),
     };
-    if let Some(unknown) = obj.keys().next() {
-        return Err(err(&format!("inbox.{unknown}"), "is not a known key"));
-    }
     Ok(Mode::Inbox(Inbox { message_id, missing_id, duplicate_status }))
 }
 
@@ -775,6 +964,25 @@ mod tests {
         assert_eq!(c.record_too_large, TooLarge::OmitBody);
         assert_eq!(c.body_omitted_header, "x-idempotent-body-omitted");
         assert_eq!(parse(r#"{"store_cluster":"s","lock_wait_ms":0}"#).unwrap().lock_wait_ms, 0);
+    }
+
+    #[test]
+    fn written_back_it_is_the_same_configuration() {
+        for json in [
+            r#"{"store_cluster":"s"}"#,
+            r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f","path":["a","b"]}},"failure_mode":"closed",
+                "store_secret":"s3cret!","fingerprint_headers":["x-t"],"fingerprint_json":{"ignore":["/a"]},
+                "store_statuses":["2xx","404"],"store_content_types":["+json"],"record_too_large":"release",
+                "lock_wait_ms":0,"store_key_header":"x-k","detached_execution":true}"#,
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"/m/id"},
+                "missing_id":"pass","duplicate_status":202}}"#,
+        ] {
+            let c = parse(json).unwrap();
+            let raw = c.to_raw();
+            assert_eq!(Config::validate(raw.clone(), &|_| None), Ok(c.clone()), "{json}");
+            let text = serde_json::to_vec(&raw).unwrap();
+            assert_eq!(Config::from_json(&text), Ok(c), "{json}");
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Arbitrary bytes as the plugin configuration: `Config::from_json` never panics; an accepted
-//! configuration keeps every documented range and rule, and written back as JSON it is accepted
+//! configuration keeps every documented range and rule, and written back as JSON (`Config::to_raw`,
+//! the declaration of the keys) it is accepted
 //! again as the same configuration. A refusal always names the offending key in its message.
 //! The environment (`store_secret_env`) is a fixed lookup: a valid secret, an invalid one, an
 //! empty one; neither a refusal nor a `Debug` of the configuration ever shows a secret.
@@ -13,15 +14,12 @@
 
 #![no_main]
 
-use idempotency_filter::config::{
-    self, Config, FailureMode, Inbox, JsonPrint, MessageIdSource, MissingId, Mode, StoreSecret, Subject,
-    TooLarge,
-};
+use idempotency_filter::config::{self, Config, Inbox, JsonPrint, MessageIdSource, Mode, Subject, TooLarge};
 use idempotency_filter::fingerprint::{json_body_hash, Digest32};
 use idempotency_filter::headers;
 use idempotency_filter::keep::{MediaPattern, StatusSet};
 use libfuzzer_sys::fuzz_target;
-use serde_json::{json, Value};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 /// An invalid secret in the environment: a refusal must not quote it.
@@ -40,7 +38,7 @@ fuzz_target!(|data: &[u8]| {
     match Config::from_json_with_env(data, &env) {
         Ok(c) => {
             check(&c);
-            let again = serde_json::to_vec(&to_json(&c)).expect("serializes");
+            let again = serde_json::to_vec(&c.to_raw()).expect("serializes");
             assert_eq!(Config::from_json_with_env(&again, &env).as_ref(), Ok(&c), "re-validation of {c:?}");
         }
         Err(e) => {
@@ -145,104 +143,6 @@ fn check(c: &Config) {
             assert!(!path.is_empty() && path.iter().all(|p| !p.is_empty()), "{path:?}");
         }
     }
-}
-
-/// The configuration as an operator would write it, every key explicit. The destructuring
-/// names every field, so that a new one does not build until it is written here too.
-fn to_json(c: &Config) -> Value {
-    let Config {
-        store_cluster,
-        store_timeout_ms,
-        retention_seconds,
-        lock_ttl_ms,
-        lock_wait_ms,
-        methods,
-        require_key,
-        max_key_length,
-        max_body_bytes,
-        max_record_bytes,
-        replay_header,
-        replay_headers,
-        subject,
-        failure_mode,
-        detached_execution,
-        detached_timeout_ms,
-        store_key_header,
-        store_secret,
-        pause_on_headers,
-        record_cache_entries,
-        record_cache_bytes,
-        mode,
-        fingerprint_headers,
-        fingerprint_json,
-        store_statuses,
-        store_content_types,
-        record_too_large,
-        body_omitted_header,
-    } = c;
-    let subject = match subject {
-        Subject::ClientIp => Value::Null,
-        Subject::Header(h) => json!({ "header": h }),
-        Subject::Metadata { filter, path } => json!({ "metadata": { "filter": filter, "path": path } }),
-    };
-    let (mode, inbox) = match mode {
-        Mode::IdempotencyKey => ("idempotency_key", None),
-        Mode::Inbox(Inbox { message_id, missing_id, duplicate_status }) => {
-            let message_id = match message_id {
-                MessageIdSource::CloudEvents => json!("cloudevents"),
-                MessageIdSource::Header(h) => json!({ "header": h }),
-                MessageIdSource::JsonPointer(p) => json!({ "json_pointer": p }),
-            };
-            let missing_id = match missing_id {
-                MissingId::Reject => "reject",
-                MissingId::Pass => "pass",
-            };
-            let inbox = json!({
-                "message_id": message_id,
-                "missing_id": missing_id,
-                "duplicate_status": duplicate_status,
-            });
-            ("inbox", Some(inbox))
-        }
-    };
-    let mut out = json!({
-        "store_cluster": store_cluster,
-        "store_timeout_ms": store_timeout_ms,
-        "retention_seconds": retention_seconds,
-        "lock_ttl_ms": lock_ttl_ms,
-        "lock_wait_ms": lock_wait_ms,
-        "methods": methods,
-        "require_key": require_key,
-        "max_key_length": max_key_length,
-        "max_body_bytes": max_body_bytes,
-        "max_record_bytes": max_record_bytes,
-        "replay_header": replay_header,
-        "replay_headers": replay_headers,
-        "subject": subject,
-        "failure_mode": match failure_mode { FailureMode::Open => "open", FailureMode::Closed => "closed" },
-        "detached_execution": detached_execution,
-        "detached_timeout_ms": detached_timeout_ms,
-        "store_key_header": store_key_header,
-        "store_secret": store_secret.as_ref().map(StoreSecret::as_str),
-        "pause_on_headers": pause_on_headers,
-        "record_cache_entries": record_cache_entries,
-        "record_cache_bytes": record_cache_bytes,
-        "mode": mode,
-        "fingerprint_headers": fingerprint_headers,
-        "fingerprint_json": fingerprint_json
-            .as_ref()
-            .map(|JsonPrint { canonical, ignore }| json!({ "canonical": canonical, "ignore": ignore })),
-        "store_statuses": store_statuses.entries(),
-        "store_content_types": store_content_types
-            .as_ref()
-            .map(|list| list.iter().map(ToString::to_string).collect::<Vec<_>>()),
-        "record_too_large": match record_too_large { TooLarge::OmitBody => "omit_body", TooLarge::Release => "release" },
-        "body_omitted_header": body_omitted_header,
-    });
-    if let Some(inbox) = inbox {
-        out["inbox"] = inbox;
-    }
-    out
 }
 
 /// Pointers no document's paths give: the root, empty tokens, bad escapes, array indexes RFC 6901

@@ -8,7 +8,8 @@
 //!    enforces a header list of at most 16 KiB and 200 concurrent streams. The protocol's own
 //!    headers take well under 1 KiB;
 //! 2. the shared secret, when configured ([`Options::secret`]): every path but
-//!    [`proto::PATH_HEALTH`] needs `x-idem-secret`, else `401` before anything else happens,
+//!    [`proto::PATH_HEALTH`] and [`PATH_METRICS`] needs `x-idem-secret`, else `401` before
+//!    anything else happens,
 //!    even routing (so an unknown path without the secret is `401`, not `404`);
 //! 3. routing: an unknown path is `404`, a known path with another method `405`;
 //! 4. the body: none at all on `begin` and `release` (`413`), at most
