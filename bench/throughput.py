@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-import harness as h  # noqa: E402
+from support import harness as h  # noqa: E402
 
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "RESULTS.md"

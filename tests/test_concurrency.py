@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from checks import assert_executed, assert_problem, assert_replay_of
-import harness as h
-from harness import new_key
+from support import harness as h
+from support.checks import assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
 
 
 def wait_executing(stack, key: str, timeout: float = 5.0) -> None:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-import harness as h
+from support import harness as h
 
 # (plugin configuration, words that the refusal line must contain)
 INVALID = {

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-import harness as h
+from support import harness as h
 
 ENVOY_DIR = h.ROOT / "envoy"
 ISTIO_DIR = ENVOY_DIR / "istio"

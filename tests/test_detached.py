@@ -28,10 +28,10 @@ import re
 
 import pytest
 
-import harness as h
-from checks import PANIC, REPLAY, assert_executed, assert_problem, assert_replay_of
-from conftest import Stack, plugin_config
-from harness import new_key
+from support import harness as h
+from support.checks import PANIC, REPLAY, assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
+from support.stack import Stack, plugin_config
 
 STORE_KEY_HEADER = "x-idempotency-store-key"
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -205,7 +205,7 @@ def test_routed_lost_client_h1_releases_and_retry_runs_again(dstack, note):
 def test_detached_lost_client_h2_stream_reset_retry_replays(dstack, note):
     """HTTP/2 with prior knowledge (codec_type AUTO): one connection; the client resets its stream
     (RST_STREAM CANCEL) after CLIENT_TIMEOUT and retries on new streams of the same connection."""
-    from h2client import H2Client
+    from support.h2client import H2Client
 
     s = dstack
     key = new_key("lost-h2")

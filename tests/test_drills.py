@@ -1,7 +1,7 @@
 """Issue 5: fault drills under steady load, durability of records, health checks of idemstore.
 
 Every drill runs real processes (Envoy 1.40 with the real filter, idemstore, Redis, the counting
-upstream; `store_double.py` where idemstore has to misbehave on purpose) while a bounded
+upstream; `support/store_double.py` where idemstore has to misbehave on purpose) while a bounded
 background load (`Load`) sends guarded POSTs: mostly new keys, plus retries of recent keys. Each
 request is recorded (start and end time, key, status, replay header, the upstream's execution
 id), and the counts are asserted, not just printed.
@@ -30,7 +30,6 @@ import random
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,8 +38,9 @@ from typing import Callable
 
 import pytest
 
-import harness as h
-from checks import PANIC, REPLAY, assert_executed, assert_replay_of
+from support import harness as h
+from support.checks import PANIC, REPLAY, assert_executed, assert_replay_of
+from support.store_double_client import StoreDouble, http1_cluster
 
 ENVOY_YAML = h.ROOT / "envoy" / "envoy.yaml"
 REDIS_CONF = h.ROOT / "envoy" / "redis.conf"
@@ -597,45 +597,6 @@ def drill_envoy(run_dir: Path, name: str, listeners: dict[str, dict], upstream_p
     return h.await_envoy(envoy)
 
 
-class StoreDouble:
-    """Client of tests/store_double.py running as its own process."""
-
-    def __init__(self, run_dir: Path, name: str = "store-double", target: int | None = None):
-        self.port = h.free_port()
-        argv = [sys.executable, str(h.TESTS / "store_double.py"), "--port", str(self.port), "--quiet"]
-        if target is not None:
-            argv += ["--target", str(target)]
-        self.proc = h.start(name, argv, run_dir)
-        h.await_ready(self.proc, lambda: h.http_get_status(self.port, "/__health")[0] == 200,
-                      f"{name} /__health")
-
-    def _post(self, path: str, doc: dict | None = None) -> dict:
-        r = h.request(self.port, "POST", path, json.dumps(doc or {}), [JSON], timeout=5)
-        assert r.status == 200, r
-        return r.json()
-
-    def mode(self, **doc) -> dict:
-        return self._post("/__mode", doc)
-
-    def reset(self) -> None:
-        self._post("/__reset")
-
-    def stats(self) -> dict:
-        status, body = h.http_get_status(self.port, "/__stats", timeout=5)
-        assert status == 200
-        return json.loads(body)
-
-    def stop(self) -> None:
-        self.proc.stop()
-
-
-def http1_cluster(name: str, port: int) -> dict:
-    """A store cluster over HTTP/1.1 (the double does not speak h2c), as shipped otherwise."""
-    c = h.store_cluster(port, name=name)
-    del c["typed_extension_protocol_options"]
-    return c
-
-
 # --------------------------------------------------------------------------------------------
 # configuration the project ships
 # --------------------------------------------------------------------------------------------
@@ -1120,12 +1081,12 @@ def test_drill_slow_store_is_bounded(run_dir, artifacts, upstream, note):
 
 
 def test_drill_garbage_store_fails_open(run_dir, artifacts, upstream, note):
-    """Every garbage variant of tests/store_double.py in turn, under a steady load: every
+    """Every garbage variant of support/store_double.py in turn, under a steady load: every
     request runs (2xx from the upstream), `degraded` and `store_errors` count each request once,
     the filter logs one store fault per request, no commit or release is ever sent, and the VM
     never fails (no wasm vm_reload, no new V8 VM, no panic or trap in the log). Then the double
     relays a real idemstore: the filter guards and replays as before."""
-    import store_double
+    from support import store_double
 
     variants = list(store_double.VARIANTS)
     sub = run_dir / "drills-garbage"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-import harness as h
-from checks import assert_executed, assert_problem, assert_replay_of
-from conftest import Stack, start_backend, start_filter_envoy
-from harness import new_key
+from support import harness as h
+from support.checks import assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
+from support.stack import Stack, start_backend, start_filter_envoy
 
 
 @pytest.fixture(params=["idemstore_killed", "redis_killed"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 
-import harness as h
+from support import harness as h
 
 
 def test_upstream_counts_and_answers(upstream):

@@ -15,9 +15,9 @@ from typing import Callable
 
 import pytest
 
-import harness as h
-from checks import PANIC, REPLAY, assert_problem
-from h2client import H2Client, H2Error
+from support import harness as h
+from support.checks import PANIC, REPLAY, assert_problem
+from support.h2client import H2Client, H2Error
 
 MEMORY_ONLY = pytest.mark.parametrize("stack", ["memory"], indirect=True)
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-import harness as h
-import jwt_tokens as jt
-from checks import PANIC, REPLAY, assert_executed, assert_replay_of, body_json
-from harness import new_key
+from support import harness as h
+from support import jwt_tokens as jt
+from support.checks import PANIC, REPLAY, assert_executed, assert_replay_of, body_json
+from support.harness import new_key
 
 ISSUER = "https://issuer.idem-e2e.test"
 AUDIENCE = "idem-e2e"

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-import harness as h
-from checks import PANIC, REPLAY, assert_problem
-from inbox_app import fails_first
-from pusher import Event, PushSpec, push, request_for
-from replicas import ReplicaSets
-from test_istio_mode import istio_filters
+from support import harness as h
+from support.checks import PANIC, REPLAY, assert_problem
+from support.inbox_app import fails_first
+from support.pusher import Event, PushSpec, push, request_for
+from support.replicas import ReplicaSets
+from support.stack import istio_filters
 
 INBOX = {"mode": "inbox"}
 PUBSUB = {"mode": "inbox", "inbox": {"message_id": {"json_pointer": "/message/messageId"}}}
@@ -84,7 +84,7 @@ class App:
 
 def start_app(run_dir: Path, fail_rate: float = 0.0) -> App:
     port = h.free_port()
-    argv = [sys.executable, str(h.TESTS / "inbox_app.py"), "--port", str(port), "--quiet",
+    argv = [sys.executable, str(h.SUPPORT / "inbox_app.py"), "--port", str(port), "--quiet",
             "--fail-first-rate", str(fail_rate)]
     proc = h.start("inbox-app", argv, run_dir)
     h.await_ready(proc, lambda: h.http_get_status(port, "/__health")[0] == 200, "inbox app /__health")

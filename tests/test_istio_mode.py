@@ -10,25 +10,10 @@ import uuid
 
 import pytest
 
-import harness as h
-from checks import assert_executed, assert_problem, assert_replay_of
-from conftest import plugin_config, start_backend
-from harness import new_key
-
-BUFFER_BYTES = 1048576 + 65536  # max_body_bytes plus room, so the filter's 413 comes first
-
-
-def istio_filters(wasm: str, buffer_filter: bool = True, **cfg) -> list[dict]:
-    f = h.wasm_filter(plugin_config(pause_on_headers=False, **cfg), wasm)
-    f["typed_config"]["config"]["allow_on_headers_stop_iteration"] = False
-    buffer = {
-        "name": "envoy.filters.http.buffer",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
-            "max_request_bytes": BUFFER_BYTES,
-        },
-    }
-    return [f, buffer] if buffer_filter else [f]
+from support import harness as h
+from support.checks import assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
+from support.stack import istio_filters, start_backend
 
 
 @pytest.fixture(scope="module", params=["memory", "redis"])

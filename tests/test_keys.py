@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 
-import harness as h
-from checks import REPLAY, assert_executed, assert_problem, assert_replay_of
-from harness import new_key
+from support import harness as h
+from support.checks import REPLAY, assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
 
 
 def uniq_path() -> str:

@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-import harness as h
-from checks import assert_executed, assert_problem, assert_replay_of
-from conftest import plugin_config
+from support import harness as h
+from support.checks import assert_executed, assert_problem, assert_replay_of
+from support.stack import plugin_config
 
 # The access log format the shipped configs use for the outcome (JSON lines).
 ACCESS_LOG_FORMAT = {

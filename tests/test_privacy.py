@@ -8,9 +8,9 @@ import re
 import socket
 import uuid
 
-import harness as h
-from checks import assert_executed, assert_problem, assert_replay_of
-from conftest import plugin_config
+from support import harness as h
+from support.checks import assert_executed, assert_problem, assert_replay_of
+from support.stack import plugin_config
 
 JSON = ("content-type", "application/json")
 # The upstream echoes the key in its default body: a fixed body keeps it out of the record, as

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from checks import REPLAY, assert_executed, assert_problem, assert_replay_of
-import harness as h
-from harness import new_key
+from support import harness as h
+from support.checks import REPLAY, assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
 
 OMITTED = "x-idempotent-body-omitted"
 MIB = 1024 * 1024

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-import harness as h
-from checks import assert_executed, assert_problem, assert_replay_of
-from conftest import plugin_config, start_backend
-from harness import new_key
-from test_metrics_idemstore import deltas, quiet
+from support import harness as h
+from support.checks import assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
+from support.idemstore_metrics import deltas, quiet
+from support.stack import plugin_config, start_backend
 
 LISTENERS = {
     "cache": {},

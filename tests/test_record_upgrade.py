@@ -10,9 +10,9 @@ import struct
 
 import pytest
 
-from checks import REPLAY, assert_executed, assert_problem
-from harness import new_key
-from redis_cluster import command
+from support.checks import REPLAY, assert_executed, assert_problem
+from support.harness import new_key
+from support.redis_cluster import command
 
 
 def store_key(subject: str, method: str, route: str, client_key: str) -> str:

@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import burst
-import harness as h
-import redis_cluster as rc
-from checks import assert_problem
-from test_replicas import assert_exactly_once, fire, totals, wait_totals
+from support import burst
+from support import harness as h
+from support import redis_cluster as rc
+from support.burst import assert_exactly_once, fire
+from support.checks import assert_problem
+from support.replicas import totals, wait_totals
 
 STORE_KEY_HEADER = "x-idempotency-store-key"
 PLUGIN = {"store_key_header": STORE_KEY_HEADER}

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from checks import REPLAY, assert_executed, assert_problem, assert_replay_of
-import harness as h
-from harness import new_key
+from support import harness as h
+from support.checks import REPLAY, assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
 
 
 def test_first_executes_then_five_retries_replay(stack):

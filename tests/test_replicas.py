@@ -1,8 +1,8 @@
 """Issue 3: exactly once across replicas, under bursts.
 
 Several filter Envoys (each its own process, two workers) and several idemstores on one Redis,
-as production runs them (`replicas.py`); bursts of concurrent duplicates spread round-robin
-over the Envoys (`burst.py`); a plain Envoy that delays `/v1/commit` to show the commit is off
+as production runs them (`support/replicas.py`); bursts of concurrent duplicates spread round-robin
+over the Envoys (`support/burst.py`); a plain Envoy that delays `/v1/commit` to show the commit is off
 the client's path; lock expiry and orphaned locks.
 """
 
@@ -10,41 +10,17 @@ from __future__ import annotations
 
 import time
 
-import burst
-from checks import assert_executed, assert_problem, assert_replay_of
-import harness as h
-from harness import new_key
+from support import burst
+from support import harness as h
+from support.burst import assert_exactly_once, fire
+from support.checks import assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
+from support.replicas import COUNTERS, totals, wait_totals
 
 KEYS = 200
 DUPLICATES = 20
 ROUNDS = 3
 KEYS_IN_FLIGHT = 40   # 800 requests out at once
-COUNTERS = ("executed", "replayed", "stored", "conflicted", "degraded", "store_errors", "commit_failed",
-            "released", "unavailable")
-
-
-def totals(rs) -> dict[str, int]:
-    out = dict.fromkeys(COUNTERS, 0)
-    for i, e in enumerate(rs.envoys):
-        if e.proc.alive():
-            for name, value in rs.counters(i).items():
-                if name in out:
-                    out[name] += value
-    return out
-
-
-def wait_totals(rs, name: str, at_least: int, timeout: float = 10.0) -> int:
-    """Commits land after the responses: poll the summed counter."""
-    return h.poll_until(lambda: rs.counter_total(name), at_least, timeout, interval=0.05)
-
-
-def fire(rs, upstream, spec: burst.BurstSpec, run_dir, label: str, allow_conflict: bool = False):
-    run = burst.run_burst(rs.ports(), spec)
-    run.dump(run_dir / f"{label}.tsv")
-    check = burst.check_burst(run, upstream.executions(key_prefix=run.prefix), allow_conflict=allow_conflict)
-    with open(run_dir / "bursts.txt", "a") as f:
-        f.write(f"{label}: {check.summary()}\n")
-    return run, check
 
 
 def wait_executing(upstream, key: str, count: int = 1, timeout: float = 5.0) -> float:
@@ -60,17 +36,6 @@ def sleep_until(t: float) -> None:
     delay = t - time.monotonic()
     if delay > 0:
         time.sleep(delay)
-
-
-def assert_exactly_once(check: burst.BurstCheck, keys: int, duplicates: int) -> None:
-    assert not check.failures, check.report()
-    assert check.keys == keys
-    assert check.executions == keys, check.summary()
-    assert check.originals == keys, check.summary()
-    assert check.replays == keys * (duplicates - 1), check.summary()
-    assert check.conflicts == 0 and check.server_errors == 0 and check.client_errors == 0, check.summary()
-    # The duplicates really were concurrent: nearly all were out before their original answered.
-    assert len(check.replay_delays_ms) >= 0.9 * check.replays, check.summary()
 
 
 # --------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import harness as h
-from checks import PANIC, REPLAY
-from conftest import plugin_config
+from support import harness as h
+from support.checks import PANIC, REPLAY
+from support.stack import plugin_config
 
 JSON_HEAD = b"HTTP/1.1 201 Created\r\ncontent-type: application/json\r\n"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from checks import assert_executed, assert_problem, assert_replay_of, body_json
-from harness import new_key
+from support.checks import assert_executed, assert_problem, assert_replay_of, body_json
+from support.harness import new_key
 
 
 def test_two_client_ips_are_two_callers(stack):

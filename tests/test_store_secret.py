@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-import harness as h
-from checks import assert_executed, assert_problem, assert_replay_of
-from conftest import plugin_config
-from harness import new_key
+from support import harness as h
+from support.checks import assert_executed, assert_problem, assert_replay_of
+from support.harness import new_key
+from support.stack import plugin_config
 
 SECRET = "e2e-Secret_0f~store!"
 ENV_NAME = "IDEM_E2E_STORE_SECRET"

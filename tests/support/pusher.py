@@ -21,7 +21,7 @@ Formats (``fmt``): ``binary`` (CloudEvents binary mode: ``ce-*`` headers, JSON d
 ``structured`` (``application/cloudevents+json``), ``pubsub`` (a Pub/Sub push body whose
 ``deliveryAttempt`` grows with every redelivery of one event).
 
-Run by hand: ``python3 tests/pusher.py --ports 10000 --events 1000 --path /events``.
+Run by hand: ``python3 tests/support/pusher.py --ports 10000 --events 1000 --path /events``.
 """
 
 from __future__ import annotations

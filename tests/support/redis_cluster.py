@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import harness as h
+from . import harness as h
 
 SLOTS = 16384
 BUS_OFFSET = 10000

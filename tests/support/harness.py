@@ -24,12 +24,15 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parent  # tests/support/: these helpers and the helper scripts
+TESTS = SUPPORT.parent
+ROOT = TESTS.parent
 LOOPBACK = "127.0.0.1"
 
 _LIVE: list["Proc"] = []
 _LIVE_LOCK = threading.Lock()
+# The log of every Envoy started through `start` in this process (the session's panic check).
+_ENVOY_LOGS: list[Path] = []
 _BASE_IDS = itertools.count(int(os.environ.get("IDEM_TEST_BASE_ID", "0")) or (os.getpid() % 20000) * 10 + 1000)
 
 
@@ -189,12 +192,27 @@ def start(name: str, argv: list[str], run_dir: Path, env: dict | None = None, cw
     proc = Proc(name, argv, log, popen)
     with _LIVE_LOCK:
         _LIVE.append(proc)
+        if _is_envoy(argv[0]):
+            _ENVOY_LOGS.append(log)
     return proc
+
+
+def _is_envoy(program: str) -> bool:
+    try:
+        return os.path.realpath(program) == os.path.realpath(envoy_bin())
+    except HarnessError:
+        return False
 
 
 def live_processes() -> list[Proc]:
     with _LIVE_LOCK:
         return list(_LIVE)
+
+
+def envoy_logs() -> list[Path]:
+    """The log file of every Envoy this process started (running or stopped), in start order."""
+    with _LIVE_LOCK:
+        return list(_ENVOY_LOGS)
 
 
 @atexit.register
@@ -334,7 +352,7 @@ def start_idemstore(run_dir: Path, redis_url: str | None = None, port: int | Non
 
 def start_upstream(run_dir: Path) -> tuple[Proc, int]:
     port = free_port()
-    proc = start("upstream", [sys.executable, str(TESTS / "upstream.py"), "--port", str(port), "--quiet"], run_dir)
+    proc = start("upstream", [sys.executable, str(SUPPORT / "upstream.py"), "--port", str(port), "--quiet"], run_dir)
     await_ready(proc, lambda: http_get_status(port, "/__health")[0] == 200, "upstream /__health")
     return proc, port
 

@@ -4,14 +4,36 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
-from harness import Response
+from .harness import Response
 
 REPLAY = "x-idempotent-replay"
 
 # A wasm panic or trap in an Envoy log line.
 PANIC = re.compile(r"panicked at|Uncaught RuntimeError|wasm trap|Function: proxy_on_\w+ failed|VM is in a failed state",
                    re.IGNORECASE)
+
+
+def panic_lines(text: str) -> list[str]:
+    """The lines of a log that show a wasm panic or trap (`PANIC`)."""
+    return [ln for ln in text.splitlines() if PANIC.search(ln)]
+
+
+def log_panics(paths: list[Path]) -> list[str]:
+    """`<log>:<line number>: <line>` for every panic or trap line in the given log files (a file
+    that cannot be read is reported as such, so a check never passes for want of reading)."""
+    bad = []
+    for path in paths:
+        try:
+            text = Path(path).read_text("utf-8", "replace")
+        except OSError as e:
+            bad.append(f"{path}: cannot read the log: {e}")
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if PANIC.search(line):
+                bad.append(f"{path}:{n}: {line}")
+    return bad
 
 
 def assert_problem(resp: Response, status: int, raw_key: str | bytes | None = None,

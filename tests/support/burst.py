@@ -449,3 +449,28 @@ def write_delays(path: Path, label: str, delays_ms: list[float]) -> str:
     with open(path, "a") as f:
         f.write(line + "\n")
     return line
+
+
+# --------------------------------------------------------------------------------------------
+# a burst against a replica set, checked (test_replicas.py, test_redis_cluster.py)
+# --------------------------------------------------------------------------------------------
+
+
+def fire(rs, upstream, spec: BurstSpec, run_dir, label: str, allow_conflict: bool = False):
+    run = run_burst(rs.ports(), spec)
+    run.dump(run_dir / f"{label}.tsv")
+    check = check_burst(run, upstream.executions(key_prefix=run.prefix), allow_conflict=allow_conflict)
+    with open(run_dir / "bursts.txt", "a") as f:
+        f.write(f"{label}: {check.summary()}\n")
+    return run, check
+
+
+def assert_exactly_once(check: BurstCheck, keys: int, duplicates: int) -> None:
+    assert not check.failures, check.report()
+    assert check.keys == keys
+    assert check.executions == keys, check.summary()
+    assert check.originals == keys, check.summary()
+    assert check.replays == keys * (duplicates - 1), check.summary()
+    assert check.conflicts == 0 and check.server_errors == 0 and check.client_errors == 0, check.summary()
+    # The duplicates really were concurrent: nearly all were out before their original answered.
+    assert len(check.replay_delays_ms) >= 0.9 * check.replays, check.summary()

@@ -8,7 +8,7 @@ one store path (``POST /v1/commit`` by default) with ``envoy.filters.http.fault`
 
 Stdlib only, so a benchmark can import it as well as the tests::
 
-    import harness as h, replicas
+    from support import harness as h, replicas   # with tests/ on sys.path
     up_proc, up_port = h.start_upstream(run_dir)
     rs = replicas.start_replica_set(run_dir / "burst", up_port, envoys=3, stores=2,
                                     backend="redis", plugin={"lock_wait_ms": 300})
@@ -28,9 +28,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import harness as h
-from checks import PANIC
-import redis_cluster
+from . import harness as h
+from .checks import PANIC
+from . import redis_cluster
 
 LISTENER = "idem"
 STORE_CLUSTER = "idemstore"
@@ -260,3 +260,26 @@ class ReplicaSets:
             panics += rs.panics()
         self.made.clear()
         return panics
+
+
+# --------------------------------------------------------------------------------------------
+# the filter's counters summed over a set's live Envoys (test_replicas.py, test_redis_cluster.py)
+# --------------------------------------------------------------------------------------------
+
+COUNTERS = ("executed", "replayed", "stored", "conflicted", "degraded", "store_errors", "commit_failed",
+            "released", "unavailable")
+
+
+def totals(rs) -> dict[str, int]:
+    out = dict.fromkeys(COUNTERS, 0)
+    for i, e in enumerate(rs.envoys):
+        if e.proc.alive():
+            for name, value in rs.counters(i).items():
+                if name in out:
+                    out[name] += value
+    return out
+
+
+def wait_totals(rs, name: str, at_least: int, timeout: float = 10.0) -> int:
+    """Commits land after the responses: poll the summed counter."""
+    return h.poll_until(lambda: rs.counter_total(name), at_least, timeout, interval=0.05)

@@ -20,7 +20,7 @@ import h2.connection
 import h2.errors
 import h2.events
 
-from harness import LOOPBACK, Response
+from .harness import LOOPBACK, Response
 
 
 class H2Error(RuntimeError):

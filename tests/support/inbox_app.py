@@ -35,7 +35,10 @@ import threading
 import time
 from urllib.parse import parse_qs, urlsplit
 
-import testserver
+try:
+    from . import testserver
+except ImportError:  # run as a script (python3 tests/support/inbox_app.py): no parent package
+    import testserver
 
 
 def fails_first(event_id: str, rate: float) -> bool:

@@ -18,8 +18,8 @@ is chosen at run time through control endpoints, so one process serves a whole t
 * ``POST /__reset`` zeroes the stats.
 * ``GET /__health`` -> ``200`` (readiness of the double itself).
 
-Run: ``python3 store_double.py --port N [--quiet]``; tests use ``StoreDouble`` (start, mode,
-stats) from ``harness`` processes.
+Run: ``python3 tests/support/store_double.py --port N [--quiet]``; tests use ``StoreDouble``
+(start, mode, stats; ``store_double_client.py``), which starts it as a ``harness`` process.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ import sys
 import threading
 import time
 
-import testserver
+try:
+    from . import testserver
+except ImportError:  # run as a script (python3 tests/support/store_double.py): no parent package
+    import testserver
 
 OUTCOME = "x-idem-outcome"
 TOKEN = "x-idem-token"

@@ -57,7 +57,10 @@ import sys
 import threading
 import time
 
-import testserver
+try:
+    from . import testserver
+except ImportError:  # run as a script (python3 tests/support/upstream.py): no parent package
+    import testserver
 from urllib.parse import parse_qs, urlsplit
 
 ECHO_LIMIT = 4096

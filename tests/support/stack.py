@@ -1,0 +1,125 @@
+"""The suite's standard stack: the plugin configuration per listener, the backends, and starting
+idemstore (in memory or on Redis) and a filter Envoy with one listener per configuration. The
+session-scoped `stack` fixture (conftest.py) is built from these; tests that need their own
+Envoy or store use `start_backend`, `start_filter_envoy` and `plugin_config` directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import harness as h
+
+# Listener name -> plugin configuration (store_cluster added). Each listener has the routes
+# `orders` (/orders), `payments` (/payments) and an unnamed one (/).
+LISTENERS: dict[str, dict] = {
+    "default": {},
+    "require": {"require_key": True},
+    "short": {"retention_seconds": 2, "lock_wait_ms": 1000},
+    "subject_header": {"subject": {"header": "x-user"}},
+    "closed": {"failure_mode": "closed"},
+    # The subject from dynamic metadata, as jwt_authn would write it (here header_to_metadata
+    # copies x-user into namespace `auth`, key `sub`, and removes the header).
+    "subject_metadata": {"subject": {"metadata": {"filter": "auth", "path": ["sub"]}}},
+    # Record v2 (issue 14, test_record.py): no lock wait (a duplicate in flight is a 409 at
+    # once, retry-after from the lock's time left), other statuses kept, the fingerprint
+    # widened to a header and compared as JSON, content types narrowed, and the old release
+    # of answers too large to record.
+    "strict": {"lock_wait_ms": 0, "lock_ttl_ms": 10000},
+    "statuses": {"store_statuses": ["2xx", "4xx"]},
+    "fingerprint": {"fingerprint_headers": ["x-tenant"],
+                    "fingerprint_json": {"canonical": True, "ignore": ["/client_sent_at"]}},
+    "json_only": {"store_content_types": ["application/json", "+json"]},
+    "release_large": {"record_too_large": "release", "max_record_bytes": 65536},
+}
+
+# HTTP filters that run before the idempotency filter on some listeners.
+PRE_FILTERS: dict[str, list[dict]] = {
+    "subject_metadata": [{
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{
+                "header": "x-user",
+                "on_header_present": {"metadata_namespace": "auth", "key": "sub", "type": "STRING"},
+                "remove": True,
+            }],
+        },
+    }],
+}
+
+BACKENDS = ["memory", "redis"]
+
+
+def plugin_config(**overrides) -> dict:
+    cfg = {"store_cluster": "idemstore"}
+    cfg.update(overrides)
+    return cfg
+
+
+@dataclass
+class Stack:
+    backend: str
+    envoy: h.Envoy
+    upstream: h.Upstream
+    idemstore: h.Proc
+    idemstore_port: int
+    redis: h.Proc | None = None
+
+    def port(self, listener: str = "default") -> int:
+        return self.envoy.port(listener)
+
+    def post(self, path: str, body: bytes | str = b"{}", key: str | bytes | None = None,
+             listener: str = "default", headers: list | None = None, **kw) -> h.Response:
+        hdrs = list(headers or [])
+        if key is not None:
+            hdrs.append(("Idempotency-Key", key))
+        hdrs.append(("content-type", "application/json"))
+        return h.request(self.port(listener), "POST", path, body, hdrs, **kw)
+
+    def counter(self, name: str) -> int:
+        return self.envoy.counter(name)
+
+    def wait_counter(self, name: str, at_least: int, timeout: float = 5.0) -> int:
+        return self.envoy.wait_counter(name, at_least, timeout)
+
+
+def start_backend(run_dir: Path, backend: str) -> tuple[h.Proc, int, h.Proc | None]:
+    sub = run_dir / backend
+    redis = None
+    redis_url = None
+    if backend == "redis":
+        redis, rport = h.start_redis(sub)
+        redis_url = f"redis://127.0.0.1:{rport}"
+    try:
+        store, sport = h.start_idemstore(sub, redis_url)
+    except h.HarnessError:
+        if redis is not None:
+            redis.stop()
+        raise
+    return store, sport, redis
+
+
+def start_filter_envoy(run_dir: Path, name: str, listeners: dict[str, dict], upstream_port: int,
+                       idemstore_port: int, wasm: str) -> h.Envoy:
+    filters = {ln: PRE_FILTERS.get(ln, []) + [h.wasm_filter(plugin_config(**cfg), wasm)]
+               for ln, cfg in listeners.items()}
+    return h.start_envoy(run_dir, name, filters, upstream_port, idemstore_port)
+
+
+# The mode Istio can configure (test_istio_mode.py, test_inbox.py): no pause on headers, a buffer
+# filter after the idempotency filter.
+BUFFER_BYTES = 1048576 + 65536  # max_body_bytes plus room, so the filter's 413 comes first
+
+
+def istio_filters(wasm: str, buffer_filter: bool = True, **cfg) -> list[dict]:
+    f = h.wasm_filter(plugin_config(pause_on_headers=False, **cfg), wasm)
+    f["typed_config"]["config"]["allow_on_headers_stop_iteration"] = False
+    buffer = {
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+            "max_request_bytes": BUFFER_BYTES,
+        },
+    }
+    return [f, buffer] if buffer_filter else [f]
