@@ -552,15 +552,7 @@ impl Stream {
                     .unwrap_or(0);
                 let length = first(view.response_header("content-length"))
                     .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
-                let recorded = self.recorded_headers(|name| view.response_header(name));
-                let head = Head {
-                    status,
-                    content_type: first(view.response_header("content-type")),
-                    length,
-                    upgrade: !view.response_header("upgrade").is_empty(),
-                    headers_fit: record::headers_fit(&recorded),
-                    readable: Head::readable_with(|name| view.response_header(name)),
-                };
+                let (head, recorded) = self.answer_head(status, length, |name| view.response_header(name));
                 let keep = keep::decide(&self.cfg, &head);
                 let omitted = match keep {
                     Keep::Full => false,
@@ -728,15 +720,7 @@ impl Stream {
         }
         let values_of =
             |name: &str| answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect();
-        let headers = self.recorded_headers(values_of);
-        let head = Head {
-            status: answer.status,
-            content_type: answer.header("content-type").map(<[u8]>::to_vec),
-            length: Some(answer.body.len() as u64),
-            upgrade: answer.header("upgrade").is_some(),
-            headers_fit: record::headers_fit(&headers),
-            readable: Head::readable_with(values_of),
-        };
+        let (head, headers) = self.answer_head(answer.status, Some(answer.body.len() as u64), values_of);
         let keep = keep::decide(&self.cfg, &head);
         let omitted = match keep {
             Keep::Full => false,
@@ -806,6 +790,26 @@ impl Stream {
                 key::anonymous_subject(&String::from_utf8_lossy(&source))
             }
         }
+    }
+
+    /// What [`keep::decide`] needs to know of an answer, and the headers its record would keep,
+    /// from its status, body length (as far as known) and header values.
+    fn answer_head(
+        &self,
+        status: u16,
+        length: Option<u64>,
+        values_of: impl Fn(&str) -> Vec<Vec<u8>>,
+    ) -> (Head, Vec<(String, String)>) {
+        let recorded = self.recorded_headers(&values_of);
+        let head = Head {
+            status,
+            content_type: first(values_of("content-type")),
+            length,
+            upgrade: !values_of("upgrade").is_empty(),
+            headers_fit: record::headers_fit(&recorded),
+            readable: Head::readable_with(&values_of),
+        };
+        (head, recorded)
     }
 
     /// The response headers a record keeps: the allow-listed ones, and those that say how the
