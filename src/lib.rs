@@ -1,10 +1,14 @@
 //! Idempotency-Key filter for Envoy (and, in inbox mode, exactly-once for pushed messages).
 //!
-//! The pure core (everything but [`host`]) has no proxy-wasm dependency and is unit-tested
-//! natively; `host` is the thin layer that talks to Envoy. [`sim`] is test support: a scripted
-//! host that drives the state machine and checks its invariants (unit tests and `fuzz/`).
+//! The pure core (everything but `host`) has no proxy-wasm dependency and is unit-tested
+//! natively: [`machine`] decides for one request, [`coordinator`] for the requests of one VM;
+//! `host` (wasm32 only) turns Envoy's callbacks into their events and carries out the commands
+//! they return. [`sim`] and [`coordinator_sim`] are test support: simulated hosts that drive the
+//! machine and the coordinator and check their invariants (unit tests and `fuzz/`).
 
 pub mod config;
+pub mod coordinator;
+pub mod coordinator_sim;
 pub mod detached;
 pub mod fingerprint;
 pub mod headers;

@@ -1,0 +1,624 @@
+//! The per-VM coordinator: the streams of one worker, the callouts they started, and the record
+//! cache. Envoy events go in (a stream callback, a queue wake-up, a dispatched callout, its
+//! answer, the end of a stream); [`Command`]s come out, which the host carries out in order
+//! ([`Coordinator::poll`]) and nothing else. No proxy-wasm here: `coordinator_sim` drives it
+//! through random interleavings of many streams.
+//!
+//! Callouts are owned by the root context, not by the stream: Envoy cancels a stream's pending
+//! callouts when the stream ends, and a `begin` that took the lock, or a `commit` sent after the
+//! response went out, must not be lost with it. A stream callback therefore puts its call in the
+//! outbox and asks for a wake-up ([`Command::Wake`], a per-worker shared queue); the root's
+//! callback dispatches it ([`Command::Dispatch`]), so Envoy registers the callout under the root.
+//! The answer is fed to the stream's machine if the stream is still known, and a stream Envoy has
+//! destroyed is remembered until nothing of it is pending.
+//!
+//! Failures end in the machine like answers do: a callout that could not be dispatched, or a
+//! wake-up that could not be sent, is a [`CalloutFault::Dispatch`], so no request stays paused.
+
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+
+use idem_protocol::CommitOutcome;
+
+use crate::config::Config;
+use crate::detached::{UpstreamAnswer, UpstreamCall};
+use crate::machine::{Action, Effect, Step, Stream, StreamView};
+use crate::metrics::Metric;
+use crate::problem::LocalResponse;
+use crate::recent::{Cached, Recent};
+use crate::record::Record;
+use crate::store::{Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
+
+/// The host's clock, read only when a decision needs it.
+pub trait Clock {
+    /// Microseconds since the Unix epoch, if the host can tell.
+    fn now_us(&self) -> Option<u64>;
+}
+
+/// What the host does, in the order [`Coordinator::poll`] returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// Answer the client instead of the upstream. On failure, tell
+    /// [`Coordinator::on_respond_failed`].
+    Respond {
+        stream: u32,
+        response: LocalResponse,
+    },
+    /// Let the paused request go on to the upstream.
+    Resume {
+        stream: u32,
+    },
+    /// Only in the stream's own request-header callback.
+    SetRequestHeader {
+        stream: u32,
+        name: String,
+        value: String,
+    },
+    RemoveRequestHeader {
+        stream: u32,
+        name: String,
+    },
+    /// Set the filter state the access log reads (`metrics::OUTCOME_PROPERTY`).
+    Outcome {
+        stream: u32,
+        outcome: &'static str,
+    },
+    Count(Metric),
+    /// A store call's latency, for its histogram.
+    Latency {
+        kind: CallKind,
+        micros: u64,
+    },
+    /// Enqueue on the worker's shared queue, so that the root's [`Coordinator::on_queue_ready`]
+    /// runs; on failure, tell [`Coordinator::on_wake_failed`]. Only in stream callbacks.
+    Wake,
+    /// Send a callout from the root context and tell [`Coordinator::on_dispatched`] its token.
+    Dispatch(Dispatch),
+}
+
+/// A callout to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatch {
+    pub job: u64,
+    pub cluster: String,
+    /// Pseudo-headers first.
+    pub headers: Vec<(String, String)>,
+    pub body: Option<Vec<u8>>,
+    pub timeout_ms: u64,
+}
+
+/// What a stream callback returns to Envoy, and whether the stream's later callbacks can skip
+/// the coordinator (the machine is done with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stepped {
+    pub action: Action,
+    pub done: bool,
+}
+
+/// Which kind of callback an event came in: Envoy's rules for callouts differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Callback {
+    Stream,
+    Root,
+}
+
+struct StreamEntry {
+    stream: Stream,
+    /// For log lines: Envoy's `x-request-id`, cleaned (see [`request_id`]); read only for
+    /// guarded requests (or at debug level), not on the pass-through path.
+    request_id: Option<Rc<str>>,
+    /// For log lines: the store key's prefix, kept once derived (the machine drops its key when
+    /// it is done, before the effects that follow are logged).
+    key_prefix: Option<String>,
+    /// Envoy has destroyed the stream; the entry lives on only until its pending call (a
+    /// `begin`, or a detached execution) answers.
+    gone: bool,
+}
+
+/// A callout on behalf of a stream (which may be gone by the time it answers).
+struct Job {
+    stream: u32,
+    request_id: Rc<str>,
+    call: Call,
+    /// 0 for the first try; see [`StoreCall::after_fault`].
+    attempt: u32,
+    /// When the callout was handed to the host, for the latency histograms and the cache.
+    sent_us: Option<u64>,
+}
+
+enum Call {
+    Store(StoreCall),
+    /// Detached execution: the request itself, to the route's cluster.
+    Upstream(UpstreamCall),
+}
+
+impl Job {
+    /// For log lines: the request id, and the store key's prefix or the cluster of a detached
+    /// call. Never the client's key: only its derived store key is known past the headers.
+    fn label(&self) -> String {
+        match &self.call {
+            Call::Store(c) => {
+                format!("request {} key {}: store {:?}", self.request_id, prefix(c.key()), c.kind())
+            }
+            Call::Upstream(c) => format!("request {}: detached call to {}", self.request_id, c.cluster),
+        }
+    }
+}
+
+enum Answered {
+    Begin(Result<BeginAnswer, CalloutFault>),
+    Commit(Result<CommitOutcome, CalloutFault>),
+    Release(Result<(), CalloutFault>),
+    Upstream(Result<UpstreamAnswer, CalloutFault>),
+}
+
+impl Answered {
+    fn fault(call: &Call, f: CalloutFault) -> Answered {
+        match call {
+            Call::Store(c) => match c.kind() {
+                CallKind::Begin => Answered::Begin(Err(f)),
+                CallKind::Commit => Answered::Commit(Err(f)),
+                CallKind::Release => Answered::Release(Err(f)),
+            },
+            Call::Upstream(_) => Answered::Upstream(Err(f)),
+        }
+    }
+
+    fn store_fault(&self) -> Option<CalloutFault> {
+        match self {
+            Answered::Begin(Err(f)) | Answered::Commit(Err(f)) | Answered::Release(Err(f)) => Some(*f),
+            _ => None,
+        }
+    }
+}
+
+pub struct Coordinator {
+    cfg: Rc<Config>,
+    streams: HashMap<u32, StreamEntry>,
+    /// Calls from stream callbacks, waiting for the root's wake-up.
+    outbox: Vec<Job>,
+    wake_pending: bool,
+    /// Handed to the host in a [`Command::Dispatch`], token not yet known.
+    dispatching: HashMap<u64, Job>,
+    next_job: u64,
+    /// In flight, by the token Envoy gave the callout.
+    callouts: HashMap<u32, Job>,
+    /// Records recently replayed by this VM, to answer their retries without a store call.
+    recent: Recent,
+    /// The content type a local answer must have where Envoy changes it (it drops one from an
+    /// answer without a body, and labels a body without one `text/plain`), by stream: set (or
+    /// removed, `None`) when the answer passes this filter's response callback.
+    restore: HashMap<u32, Option<String>>,
+    commands: VecDeque<Command>,
+    callback: Callback,
+}
+
+impl Coordinator {
+    pub fn new(cfg: Rc<Config>) -> Coordinator {
+        let recent = Recent::new(cfg.record_cache_entries, cfg.record_cache_bytes);
+        Coordinator {
+            cfg,
+            streams: HashMap::new(),
+            outbox: Vec::new(),
+            wake_pending: false,
+            dispatching: HashMap::new(),
+            next_job: 0,
+            callouts: HashMap::new(),
+            recent,
+            restore: HashMap::new(),
+            commands: VecDeque::new(),
+            callback: Callback::Stream,
+        }
+    }
+
+    /// The next thing for the host to do.
+    pub fn poll(&mut self) -> Option<Command> {
+        self.commands.pop_front()
+    }
+
+    /// Streams the coordinator still holds (guarded and not finished, or gone with a call
+    /// pending), and callouts not yet answered: for tests.
+    pub fn pending(&self) -> (usize, usize) {
+        (self.streams.len(), self.outbox.len() + self.dispatching.len() + self.callouts.len())
+    }
+
+    /// The store calls waiting for a wake-up: what [`Coordinator::on_wake_failed`] would fail.
+    pub fn queued(&self) -> impl Iterator<Item = &StoreCall> {
+        self.outbox.iter().filter_map(|job| match &job.call {
+            Call::Store(call) => Some(call),
+            Call::Upstream(_) => None,
+        })
+    }
+
+    /// A stream callback: `event` is the machine's handler for it.
+    pub fn on_stream_event(
+        &mut self,
+        id: u32,
+        view: &dyn StreamView,
+        clock: &dyn Clock,
+        event: impl FnOnce(&mut Stream, &dyn StreamView) -> Step,
+    ) -> Stepped {
+        self.callback = Callback::Stream;
+        let cfg = &self.cfg;
+        let entry = self.streams.entry(id).or_insert_with(|| StreamEntry {
+            stream: Stream::new(Rc::clone(cfg)),
+            request_id: None,
+            key_prefix: None,
+            gone: false,
+        });
+        let step = event(&mut entry.stream, view);
+        if entry.key_prefix.is_none() {
+            entry.key_prefix = entry.stream.store_key().map(|k| prefix(k).to_string());
+        }
+        // Store calls (and so log lines) follow only once a store key exists, or will once the
+        // body has been read (inbox mode; the headers may be gone by then).
+        if entry.request_id.is_none()
+            && (entry.key_prefix.is_some()
+                || entry.stream.awaits_key()
+                || log::log_enabled!(log::Level::Debug))
+        {
+            entry.request_id =
+                Some(request_id(view.request_header("x-request-id").first().map(Vec::as_slice)));
+        }
+        self.apply(id, step.effects, true, clock);
+        // A stream the machine is done with (most of them: not guarded) is forgotten now, not at
+        // its end, and its remaining callbacks cost nothing but the call into the VM.
+        let done = self.streams.get(&id).is_some_and(|e| e.stream.is_done());
+        if done {
+            self.streams.remove(&id);
+        }
+        Stepped { action: step.action, done }
+    }
+
+    /// Envoy destroyed the stream (complete, reset, or the client went away).
+    pub fn on_stream_done(&mut self, id: u32, clock: &dyn Clock) {
+        self.callback = Callback::Stream;
+        if !self.restore.is_empty() {
+            self.restore.remove(&id);
+        }
+        let Some(entry) = self.streams.get_mut(&id) else { return };
+        let effects = entry.stream.on_stream_end();
+        if entry.stream.is_settled() {
+            self.streams.remove(&id);
+        } else {
+            entry.gone = true;
+        }
+        self.apply(id, effects, true, clock);
+    }
+
+    /// The content type to give this stream's local answer as it passes the response callback
+    /// (`Some(None)`: remove it), if it needs one.
+    pub fn take_restore(&mut self, stream: u32) -> Option<Option<String>> {
+        if self.restore.is_empty() {
+            return None;
+        }
+        self.restore.remove(&stream)
+    }
+
+    pub fn on_respond_failed(&mut self, stream: u32) {
+        self.restore.remove(&stream);
+    }
+
+    /// The root's wake-up: dispatch everything queued.
+    pub fn on_queue_ready(&mut self, clock: &dyn Clock) {
+        self.callback = Callback::Root;
+        self.flush(clock);
+    }
+
+    /// A [`Command::Wake`] failed: without it the queued calls would never leave, so they fail
+    /// now (each request fails open or closed as configured).
+    pub fn on_wake_failed(&mut self, clock: &dyn Clock) {
+        self.callback = Callback::Stream;
+        self.wake_pending = false;
+        for job in std::mem::take(&mut self.outbox) {
+            let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
+            self.finish(job, outcome, clock);
+        }
+    }
+
+    /// The host carried out a [`Command::Dispatch`]: `token` is Envoy's, `None` if it refused.
+    pub fn on_dispatched(&mut self, job: u64, token: Option<u32>, clock: &dyn Clock) {
+        self.callback = Callback::Root;
+        let Some(job) = self.dispatching.remove(&job) else { return };
+        match token {
+            Some(token) => {
+                self.callouts.insert(token, job);
+            }
+            None => {
+                log::warn!("{}: dispatch failed", job.label());
+                let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
+                self.finish(job, outcome, clock);
+            }
+        }
+    }
+
+    /// A callout answered (with no headers: reset or refused).
+    pub fn on_callout_answer(
+        &mut self,
+        token: u32,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+        clock: &dyn Clock,
+    ) {
+        self.callback = Callback::Root;
+        let Some(job) = self.callouts.remove(&token) else { return };
+        let outcome = match &job.call {
+            Call::Store(c) => {
+                let now_us = clock.now_us();
+                if let (Some(sent), Some(now)) = (job.sent_us, now_us) {
+                    self.commands
+                        .push_back(Command::Latency { kind: c.kind(), micros: now.saturating_sub(sent) });
+                }
+                let answer = Answer { headers: &headers, body: &body };
+                match c.kind() {
+                    CallKind::Begin => {
+                        let begun = answer.begin();
+                        if let (StoreCall::Begin { key, body_hash }, Ok(BeginAnswer::Replay(record))) =
+                            (c, &begun)
+                        {
+                            self.remember(
+                                key,
+                                body_hash,
+                                record,
+                                answer.record_ttl_ms(),
+                                job.sent_us,
+                                now_us,
+                            );
+                        }
+                        Answered::Begin(begun)
+                    }
+                    CallKind::Commit => Answered::Commit(answer.commit()),
+                    CallKind::Release => Answered::Release(answer.release().map(|_| ())),
+                }
+            }
+            Call::Upstream(_) => Answered::Upstream(UpstreamAnswer::decode(headers, body)),
+        };
+        self.finish(job, outcome, clock);
+    }
+
+    /// Caches a record the store replayed, until the end of the lifetime the store gave it,
+    /// counted from before the `begin` was sent (so never past the record's expiry in the store).
+    fn remember(
+        &mut self,
+        key: &str,
+        body_hash: &str,
+        record: &Record,
+        ttl_ms: Option<u64>,
+        sent_us: Option<u64>,
+        now_us: Option<u64>,
+    ) {
+        let (Some(ttl_ms), Some(sent), Some(now)) = (ttl_ms, sent_us, now_us) else { return };
+        self.recent.remember(key, body_hash, record, (sent / 1000).saturating_add(ttl_ms), now / 1000);
+    }
+
+    /// The cache's answer to a `begin`, if it has one.
+    fn cached_begin(&mut self, key: &str, body_hash: &str, clock: &dyn Clock) -> Option<BeginAnswer> {
+        if !self.recent.is_enabled() || self.recent.is_empty() {
+            return None;
+        }
+        let now_ms = clock.now_us()? / 1000;
+        match self.recent.lookup(key, body_hash, now_ms) {
+            Cached::Replay(record) => Some(BeginAnswer::Replay(record)),
+            Cached::Mismatch => Some(BeginAnswer::Mismatch),
+            Cached::Miss => None,
+        }
+    }
+
+    fn flush(&mut self, clock: &dyn Clock) {
+        self.wake_pending = false;
+        let jobs = std::mem::take(&mut self.outbox);
+        if jobs.is_empty() {
+            return;
+        }
+        let sent_us = clock.now_us();
+        for mut job in jobs {
+            job.sent_us = sent_us;
+            let id = self.next_job;
+            self.next_job += 1;
+            let dispatch = match &mut job.call {
+                Call::Store(call) => {
+                    let c = call.callout(&self.cfg);
+                    Dispatch {
+                        job: id,
+                        cluster: self.cfg.store_cluster.clone(),
+                        headers: c.headers.into_iter().map(|(n, v)| (n.to_string(), v)).collect(),
+                        body: c.body,
+                        timeout_ms: c.timeout_ms,
+                    }
+                }
+                // The body is not needed again: whatever the answer, it is not resent.
+                Call::Upstream(c) => Dispatch {
+                    job: id,
+                    cluster: c.cluster.clone(),
+                    headers: std::mem::take(&mut c.headers),
+                    body: Some(std::mem::take(&mut c.body)),
+                    timeout_ms: c.timeout_ms,
+                },
+            };
+            self.dispatching.insert(id, job);
+            self.commands.push_back(Command::Dispatch(dispatch));
+        }
+    }
+
+    /// Queues a callout: dispatched at once in a root callback, else after a wake-up.
+    fn submit(&mut self, job: Job, clock: &dyn Clock) {
+        self.outbox.push(job);
+        match self.callback {
+            Callback::Root => self.flush(clock),
+            Callback::Stream if !self.wake_pending => {
+                self.wake_pending = true;
+                self.commands.push_back(Command::Wake);
+            }
+            Callback::Stream => {}
+        }
+    }
+
+    /// Acts on the end of a callout, whether it answered or could not be sent.
+    fn finish(&mut self, job: Job, outcome: Answered, clock: &dyn Clock) {
+        let mut effects = Vec::new();
+        if let (Call::Store(call), Some(f)) = (&job.call, outcome.store_fault()) {
+            log::warn!("{} (try {}): {f}", job.label(), job.attempt + 1);
+            effects.push(Effect::Count(Metric::StoreErrors));
+            if let Some(next) = call.after_fault(job.attempt) {
+                let attempt = if next.kind() == call.kind() { job.attempt + 1 } else { 0 };
+                let retry = Job {
+                    stream: job.stream,
+                    request_id: job.request_id.clone(),
+                    call: Call::Store(next),
+                    attempt,
+                    sent_us: None,
+                };
+                self.submit(retry, clock);
+            }
+        }
+        let stream_alive = match outcome {
+            Answered::Begin(answer) => match (&job.call, answer) {
+                (_, answer) if self.streams.contains_key(&job.stream) => {
+                    self.feed(&job, &mut effects, |s| s.on_begin_answer(answer))
+                }
+                // Entries outlive their pending begin, so this is not expected; never leak a lock.
+                (Call::Store(call), Ok(BeginAnswer::Locked { token })) => {
+                    effects.push(Effect::Store(StoreCall::Release { key: call.key().to_string(), token }));
+                    false
+                }
+                _ => false,
+            },
+            Answered::Upstream(answer) => {
+                if let Err(f) = &answer {
+                    log::warn!("{}: {f}", job.label());
+                }
+                self.feed(&job, &mut effects, |s| s.on_upstream_answer(answer))
+            }
+            Answered::Commit(result) => {
+                match result {
+                    Ok(CommitOutcome::Stored | CommitOutcome::Late) => {
+                        effects.push(Effect::Count(Metric::Stored))
+                    }
+                    Ok(CommitOutcome::Exists) => {
+                        log::info!("{}: an earlier record was kept", job.label());
+                        effects.push(Effect::Count(Metric::CommitFailed));
+                    }
+                    // Counted once, when the retry is exhausted and the lock is given back.
+                    Err(_) if job.attempt == 0 => {}
+                    Err(_) => effects.push(Effect::Count(Metric::CommitFailed)),
+                }
+                false
+            }
+            Answered::Release(_) => false,
+        };
+        self.apply(job.stream, effects, stream_alive, clock);
+    }
+
+    /// Feeds an answer to the stream's machine (if Envoy has not destroyed it yet, the answer is
+    /// for the client too) and forgets a destroyed stream once nothing of it is pending.
+    fn feed(
+        &mut self,
+        job: &Job,
+        effects: &mut Vec<Effect>,
+        event: impl FnOnce(&mut Stream) -> Vec<Effect>,
+    ) -> bool {
+        let Some(entry) = self.streams.get_mut(&job.stream) else {
+            // Entries outlive their pending calls: not expected.
+            log::error!("{}: answer for an unknown stream", job.label());
+            return false;
+        };
+        effects.extend(event(&mut entry.stream));
+        let gone = entry.gone;
+        if gone && entry.stream.is_settled() {
+            self.streams.remove(&job.stream);
+        }
+        !gone
+    }
+
+    /// Turns a stream's effects into commands; what only a live stream can take is dropped for a
+    /// destroyed one.
+    fn apply(&mut self, stream: u32, effects: Vec<Effect>, alive: bool, clock: &dyn Clock) {
+        for effect in effects {
+            match effect {
+                Effect::Respond(response) if alive => {
+                    // A replay says what the upstream said: a 204 with a content type, or a body
+                    // left out, keeps it; bytes the upstream did not label stay unlabelled.
+                    let content_type =
+                        response.headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v);
+                    if response.body.is_empty() == content_type.is_some() {
+                        self.restore.insert(stream, content_type.cloned());
+                    }
+                    self.commands.push_back(Command::Respond { stream, response });
+                }
+                Effect::Resume if alive => self.commands.push_back(Command::Resume { stream }),
+                Effect::Respond(_) | Effect::Resume => {}
+                Effect::SetRequestHeader(name, value) => {
+                    self.commands.push_back(Command::SetRequestHeader { stream, name, value })
+                }
+                Effect::RemoveRequestHeader(name) => {
+                    self.commands.push_back(Command::RemoveRequestHeader { stream, name })
+                }
+                Effect::Store(call) => {
+                    if let StoreCall::Begin { key, body_hash } = &call {
+                        if let Some(answer) = self.cached_begin(key, body_hash, clock) {
+                            if let Some(entry) = self.streams.get_mut(&stream) {
+                                let mut effects = entry.stream.on_begin_answer(Ok(answer));
+                                effects.push(Effect::Count(Metric::CacheHits));
+                                self.apply(stream, effects, alive, clock);
+                                continue;
+                            }
+                        }
+                    }
+                    let job = self.job(stream, Call::Store(call));
+                    self.submit(job, clock);
+                }
+                Effect::Upstream(call) => {
+                    let job = self.job(stream, Call::Upstream(call));
+                    self.submit(job, clock);
+                }
+                Effect::Count(m) => {
+                    if log::log_enabled!(log::Level::Debug) {
+                        self.log_decision(stream, m);
+                    }
+                    if let (Some(outcome), true) = (m.outcome(), alive) {
+                        self.commands.push_back(Command::Outcome { stream, outcome });
+                    }
+                    self.commands.push_back(Command::Count(m));
+                }
+            }
+        }
+    }
+
+    fn job(&self, stream: u32, call: Call) -> Job {
+        let request_id =
+            self.streams.get(&stream).and_then(|e| e.request_id.clone()).unwrap_or_else(|| Rc::from("-"));
+        Job { stream, request_id, call, attempt: 0, sent_us: None }
+    }
+
+    /// One debug line per counted outcome (guarded, replayed, executed, ...), to follow a request.
+    fn log_decision(&self, stream: u32, m: Metric) {
+        let Some(entry) = self.streams.get(&stream) else { return };
+        let key = entry.key_prefix.as_deref().unwrap_or("-");
+        let request = entry.request_id.as_deref().unwrap_or("-");
+        log::debug!("request {request} key {key}: {}", m.name());
+    }
+}
+
+fn prefix(key: &str) -> &str {
+    key.get(..12).unwrap_or(key)
+}
+
+/// `x-request-id` as a log field: a client may send its own, so anything but a short run of
+/// visible ASCII is cut, and a line can never be split or forged through it.
+fn request_id(raw: Option<&[u8]>) -> Rc<str> {
+    let clean: String = raw
+        .unwrap_or_default()
+        .iter()
+        .take(64)
+        .map(|&b| if b.is_ascii_graphic() { b as char } else { '?' })
+        .collect();
+    if clean.is_empty() {
+        Rc::from("-")
+    } else {
+        Rc::from(clean)
+    }
+}
+
+#[cfg(test)]
+#[path = "coordinator_tests.rs"]
+mod tests;
