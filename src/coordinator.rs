@@ -417,7 +417,7 @@ impl Coordinator {
             self.next_job += 1;
             let dispatch = match &mut job.call {
                 Call::Store(call) => {
-                    let c = call.callout(&self.cfg);
+                    let c = call.callout(&self.cfg, sent_us.map(|us| us / 1000));
                     Dispatch {
                         job: id,
                         cluster: self.cfg.store_cluster.clone(),

@@ -34,9 +34,9 @@ use crate::store::StoreCall;
 /// Configurations a run picks from (each with `store_key_header`, through which the simulation
 /// learns every stream's store key).
 pub const CONFIGS: [&str; 4] = [
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"store_timeout_ms":300,"lock_wait_ms":200}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":2,"failure_mode":"closed"}"#,
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"detached_execution":true}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"detached_execution":true,"lock_wait_ms":0}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"record_cache_entries":0}"#,
 ];
 
@@ -60,6 +60,7 @@ pub struct Tally {
     pub ended_early: u32,
     pub answers_after_end: u32,
     pub expired_records: u32,
+    pub expired_begins: u32,
 }
 
 impl Tally {
@@ -79,6 +80,7 @@ impl Tally {
             (&mut self.ended_early, o.ended_early),
             (&mut self.answers_after_end, o.answers_after_end),
             (&mut self.expired_records, o.expired_records),
+            (&mut self.expired_begins, o.expired_begins),
         ];
         for (sum, n) in pairs {
             *sum += n;
@@ -102,6 +104,7 @@ impl Tally {
             self.ended_early,
             self.answers_after_end,
             self.expired_records,
+            self.expired_begins,
         ]
         .iter()
         .all(|&v| v >= n)
@@ -808,7 +811,14 @@ impl World {
             self.store.remove(&key);
         }
         let outcome = |o: &str| vec![(":status", "200".to_string()), (proto::HEADER_OUTCOME, o.to_string())];
+        let late =
+            h(proto::HEADER_DEADLINE_MS).parse::<u64>().is_ok_and(|deadline_ms| now / 1000 >= deadline_ms);
         let (headers, body) = match h(":path").as_str() {
+            // Past the deadline the filter gave it: no lookup, no lock.
+            proto::PATH_BEGIN if late => {
+                self.tally.expired_begins += 1;
+                (outcome("expired"), vec![])
+            }
             proto::PATH_BEGIN => match self.store.get(&key) {
                 Some(Stored::Record { body_hash, bytes, expires_us })
                     if *body_hash == h(proto::HEADER_BODY_HASH) =>

@@ -76,7 +76,10 @@ impl StoreCall {
         }
     }
 
-    pub fn callout(&self, cfg: &Config) -> Callout {
+    /// The callout, sent at `sent_ms` (milliseconds since the Unix epoch, when the host can
+    /// tell): a `begin` carries when the filter will give up on it (see
+    /// [`proto::HEADER_DEADLINE_MS`]).
+    pub fn callout(&self, cfg: &Config, sent_ms: Option<u64>) -> Callout {
         let mut headers = vec![
             (":method", "POST".to_string()),
             (":authority", cfg.store_cluster.clone()),
@@ -91,7 +94,11 @@ impl StoreCall {
                 headers.push((proto::HEADER_LOCK_TTL_MS, cfg.lock_ttl_ms.to_string()));
                 headers.push((proto::HEADER_WAIT_MS, cfg.lock_wait_ms.to_string()));
                 // The store may hold the call for the whole wait before it answers.
-                (proto::PATH_BEGIN, None, cfg.store_timeout_ms + cfg.lock_wait_ms)
+                let timeout_ms = cfg.store_timeout_ms + cfg.lock_wait_ms;
+                if let Some(sent) = sent_ms {
+                    headers.push((proto::HEADER_DEADLINE_MS, sent.saturating_add(timeout_ms).to_string()));
+                }
+                (proto::PATH_BEGIN, None, timeout_ms)
             }
             StoreCall::Commit { token, body_hash, record, .. } => {
                 headers.push((proto::HEADER_TOKEN, token.clone()));
@@ -203,6 +210,9 @@ impl Answer<'_> {
                     .and_then(|v| proto::parse_bounded(v, proto::MAX_LOCK_TTL_MS)),
             },
             BeginOutcome::Mismatch => BeginAnswer::Mismatch,
+            // The store reached the call past the deadline it carried: for the filter, a
+            // timeout (nothing was locked).
+            BeginOutcome::Expired => return Err(CalloutFault::Timeout),
         })
     }
 
@@ -248,22 +258,26 @@ mod tests {
     #[test]
     fn callouts() {
         let k = "a".repeat(64);
-        let begin = StoreCall::Begin { key: k.clone(), body_hash: "b".repeat(64) }.callout(&cfg());
+        let begin = StoreCall::Begin { key: k.clone(), body_hash: "b".repeat(64) }.callout(&cfg(), None);
         assert_eq!(begin.timeout_ms, 1000);
         assert!(begin.headers.contains(&(":path", "/v1/begin".into())));
         assert!(begin.headers.contains(&(proto::HEADER_WAIT_MS, "300".into())));
         assert!(begin.headers.contains(&(proto::HEADER_LOCK_TTL_MS, "30000".into())));
+        assert!(!begin.headers.iter().any(|(n, _)| *n == proto::HEADER_DEADLINE_MS));
+        let sent =
+            StoreCall::Begin { key: k.clone(), body_hash: "b".repeat(64) }.callout(&cfg(), Some(5_000));
+        assert!(sent.headers.contains(&(proto::HEADER_DEADLINE_MS, "6000".into())), "sent + 700 + 300");
         let commit = StoreCall::Commit {
             key: k.clone(),
             token: "t".into(),
             body_hash: "b".repeat(64),
             record: vec![1, 2],
         }
-        .callout(&cfg());
+        .callout(&cfg(), None);
         assert_eq!(commit.timeout_ms, 700);
         assert_eq!(commit.body, Some(vec![1, 2]));
         assert!(commit.headers.contains(&(proto::HEADER_RETENTION_S, "86400".into())));
-        let release = StoreCall::Release { key: k, token: "t".into() }.callout(&cfg());
+        let release = StoreCall::Release { key: k, token: "t".into() }.callout(&cfg(), None);
         assert!(release.headers.contains(&(":path", "/v1/release".into())));
         assert!(release.headers.contains(&(proto::HEADER_TOKEN, "t".into())));
     }
@@ -283,9 +297,9 @@ mod tests {
         ];
         let with = Config::from_json(br#"{"store_cluster":"idemstore","store_secret":"s3cret!"}"#).unwrap();
         for call in &calls {
-            let plain = call.callout(&cfg());
+            let plain = call.callout(&cfg(), None);
             assert!(plain.headers.iter().all(|(n, _)| *n != proto::HEADER_SECRET), "{call:?}");
-            let c = call.callout(&with);
+            let c = call.callout(&with, None);
             let sent: Vec<&str> = c
                 .headers
                 .iter()
@@ -298,7 +312,7 @@ mod tests {
             // Everything else is the same callout.
             let rest: Vec<_> =
                 c.headers.iter().filter(|(n, _)| *n != proto::HEADER_SECRET).cloned().collect();
-            assert_eq!(rest, call.callout(&Config { store_secret: None, ..with.clone() }).headers);
+            assert_eq!(rest, call.callout(&Config { store_secret: None, ..with.clone() }, None).headers);
         }
     }
 

@@ -189,6 +189,7 @@ fuzz_target!(|input: Input| {
             assert_eq!(begin.as_ref().ok(), Some(&BeginAnswer::Busy { lock_ms }));
         }
         Some(BeginOutcome::Mismatch) => assert_eq!(begin.as_ref().ok(), Some(&BeginAnswer::Mismatch)),
+        Some(BeginOutcome::Expired) => assert_eq!(begin.as_ref().err(), Some(&CalloutFault::Timeout)),
         Some(BeginOutcome::Record) => assert_eq!(begin.is_ok(), Record::decode(&body).is_ok()),
         Some(BeginOutcome::Locked) => {
             let well_formed = first(&headers, proto::HEADER_TOKEN).is_some_and(proto::is_token);

@@ -23,7 +23,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -285,6 +285,8 @@ struct BeginArgs<'a> {
     body_hash: &'a str,
     lock_ttl: Duration,
     wait: Duration,
+    /// When the caller gives up, on this host's monotonic clock.
+    give_up: Option<tokio::time::Instant>,
 }
 
 /// The body is always empty (the route's limit is 0), but must be read for the limit to apply
@@ -297,7 +299,24 @@ fn begin_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Resul
         lock_ttl: Duration::from_millis(bounded(headers, proto::HEADER_LOCK_TTL_MS, proto::MAX_LOCK_TTL_MS)?),
         // 0: a single attempt, `busy` at once if the lock is held.
         wait: Duration::from_millis(within(headers, proto::HEADER_WAIT_MS, 0, proto::MAX_WAIT_MS)?),
+        give_up: give_up(headers)?,
     })
+}
+
+/// `x-idem-deadline-ms` (optional), the caller's wall-clock deadline, as an instant on this
+/// host's monotonic clock: the time left is read against this host's wall clock once, here.
+/// Clocks that disagree by more than a callout's timeout make calls expire early (this clock
+/// ahead) or lock late (behind): the `expired` outcome count shows the first.
+fn give_up(headers: &HeaderMap) -> Result<Option<tokio::time::Instant>, Error> {
+    if headers.get(proto::HEADER_DEADLINE_MS).is_none() {
+        return Ok(None);
+    }
+    let deadline_ms = within(headers, proto::HEADER_DEADLINE_MS, 1, u64::MAX)?;
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let left_ms = u128::from(deadline_ms).saturating_sub(now_ms);
+    let left = Duration::from_millis(u64::try_from(left_ms).unwrap_or(u64::MAX));
+    let now = tokio::time::Instant::now();
+    Ok(Some(now.checked_add(left).unwrap_or(now + Duration::from_secs(86_400))))
 }
 
 async fn begin<B: Backend>(
@@ -311,18 +330,20 @@ async fn begin<B: Backend>(
         Err(e) => return refused(&store, e),
     };
     let timer = store.metrics().timer(Op::Begin, started);
-    let begun = match store.begin(args.key, args.body_hash, args.lock_ttl, args.wait).await {
-        Ok(begun) => begun,
-        Err(e) => {
-            timer.failed(&e);
-            return Error::from(e).into_response();
-        }
-    };
+    let begun =
+        match store.begin_until(args.key, args.body_hash, args.lock_ttl, args.wait, args.give_up).await {
+            Ok(begun) => begun,
+            Err(e) => {
+                timer.failed(&e);
+                return Error::from(e).into_response();
+            }
+        };
     let outcome = match &begun {
         Begin::Record(..) => proto::BeginOutcome::Record,
         Begin::Mismatch => proto::BeginOutcome::Mismatch,
         Begin::Busy { .. } => proto::BeginOutcome::Busy,
         Begin::Locked { .. } => proto::BeginOutcome::Locked,
+        Begin::Expired => proto::BeginOutcome::Expired,
     };
     let mut response = answer(outcome.as_str());
     match begun {
@@ -354,7 +375,7 @@ async fn begin<B: Backend>(
                 );
             }
         }
-        Begin::Mismatch => {}
+        Begin::Mismatch | Begin::Expired => {}
     }
     timer.answered(Outcome::Begin(outcome));
     response

@@ -67,6 +67,7 @@ impl Op {
                 Outcome::Begin(BeginOutcome::Record),
                 Outcome::Begin(BeginOutcome::Mismatch),
                 Outcome::Begin(BeginOutcome::Busy),
+                Outcome::Begin(BeginOutcome::Expired),
                 Error,
                 Cancelled,
             ],

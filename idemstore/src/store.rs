@@ -36,6 +36,9 @@ pub enum Begin {
     Busy {
         remaining: Option<Duration>,
     },
+    /// The caller had given up on the call before it could be served (see
+    /// [`Store::begin_until`]): nothing was looked up or locked.
+    Expired,
 }
 
 #[derive(Debug)]
@@ -118,7 +121,26 @@ impl<B: Backend> Store<B> {
         lock_ttl: Duration,
         wait: Duration,
     ) -> Result<Begin> {
-        let deadline = Instant::now() + wait;
+        self.begin_until(key, body_hash, lock_ttl, wait, None).await
+    }
+
+    /// [`Store::begin`] for a caller that gives up at `give_up`: no attempt is made at or after
+    /// it (the answer is [`Begin::Expired`]) and no wait lasts past it, so a call served late (a
+    /// store frozen, then thawed, works through what was queued meanwhile) never takes a lock
+    /// nobody waits for.
+    pub async fn begin_until(
+        &self,
+        key: &str,
+        body_hash: &str,
+        lock_ttl: Duration,
+        wait: Duration,
+        give_up: Option<Instant>,
+    ) -> Result<Begin> {
+        let started = Instant::now();
+        let deadline = match give_up {
+            Some(g) => (started + wait).min(g),
+            None => started + wait,
+        };
         let token = new_token();
         // Subscribed before the first attempt, so a commit landing between our attempt and
         // our sleep still wakes us.
@@ -129,6 +151,9 @@ impl<B: Backend> Store<B> {
         // until this call returns or is dropped.
         let mut waiting = None;
         loop {
+            if give_up.is_some_and(|g| Instant::now() >= g) {
+                return Ok(Begin::Expired);
+            }
             let mut woken = pin!(subscription.notify().notified());
             woken.as_mut().enable();
             let remaining = match self.backend.try_begin(key, body_hash, &token, lock_ttl).await? {

@@ -437,3 +437,53 @@ async fn size_limits() {
     assert_eq!(reply.status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
     assert!(backend.is_empty());
 }
+
+/// `x-idem-deadline-ms` (optional, epoch milliseconds): a `begin` the store reaches past it is
+/// `expired` and takes no lock, over both protocols; before it, it is served as usual; a wait is
+/// cut at it; a malformed value is a `400` naming the header, before the backend.
+#[tokio::test]
+async fn a_begin_past_its_deadline_takes_no_lock() {
+    let backend = MemoryBackend::new(1000);
+    let addr = serve_with(backend.clone(), Options::new(1024)).await;
+    let epoch_ms =
+        || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    for version in [Version::H1, Version::H2c] {
+        let client = Client::new(addr, version).await;
+        let (key, hash) = (common::key(), common::hash('a'));
+        let begin = |deadline: String, wait: &'static str| {
+            let (client, key, hash) = (&client, key.clone(), hash.clone());
+            async move {
+                let headers = [
+                    (proto::HEADER_KEY, key.as_str()),
+                    (proto::HEADER_BODY_HASH, hash.as_str()),
+                    (proto::HEADER_LOCK_TTL_MS, "30000"),
+                    (proto::HEADER_WAIT_MS, wait),
+                    (proto::HEADER_DEADLINE_MS, deadline.as_str()),
+                ];
+                client.call("POST", proto::PATH_BEGIN, &headers, Bytes::new()).await
+            }
+        };
+        let keys = backend.len();
+        for bad in ["", "-1", "0", "1.5", "soon"] {
+            let reply = begin(bad.to_string(), "0").await;
+            let text = String::from_utf8_lossy(&reply.body);
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad:?}: {text}");
+            assert!(text.contains(proto::HEADER_DEADLINE_MS), "{text}");
+        }
+        let past = begin((epoch_ms() - 1).to_string(), "0").await;
+        assert_eq!((past.status, past.outcome()), (StatusCode::OK, "expired"));
+        assert_eq!(backend.len(), keys, "an expired begin reached the backend");
+
+        // In time: locked as usual; a duplicate waiting on it stops at its own deadline.
+        let locked = begin((epoch_ms() + 5_000).to_string(), "0").await;
+        assert_eq!(locked.outcome(), "locked");
+        let started = Instant::now();
+        let waited = begin((epoch_ms() + 300).to_string(), "5000").await;
+        let took = started.elapsed();
+        assert_eq!(waited.outcome(), "expired");
+        assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(2), "{took:?}");
+        // Without the header, nothing changes.
+        assert_eq!(client.begin(&key, &hash, "0").await.outcome(), "busy");
+        assert_eq!(client.release(&key, &locked.token()).await.outcome(), "released");
+    }
+}

@@ -119,7 +119,7 @@ async fn scrape(addr: SocketAddr) -> Scrape {
 }
 
 const OUTCOMES: [(&str, &[&str]); 3] = [
-    ("begin", &["locked", "record", "mismatch", "busy", "error", "cancelled"]),
+    ("begin", &["locked", "record", "mismatch", "busy", "expired", "error", "cancelled"]),
     ("commit", &["stored", "late", "exists", "error", "cancelled"]),
     ("release", &["released", "not-owner", "error", "cancelled"]),
 ];
@@ -139,7 +139,7 @@ async fn counts_each_operation(version: Version) {
         }
         assert_eq!(before.histogram_count("idemstore_request_duration_seconds", &[("op", op)]), 0.0);
     }
-    assert_eq!(before.all("idemstore_requests_total").len(), 15);
+    assert_eq!(before.all("idemstore_requests_total").len(), 16);
 
     let (key, hash, other_hash) = (common::key(), common::hash('a'), common::hash('b'));
     let locked = client.begin(&key, &hash, "5000").await;

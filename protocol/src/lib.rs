@@ -32,6 +32,12 @@ pub const HEADER_LOCK_TTL_MS: &str = "x-idem-lock-ttl-ms";
 /// How long `begin` may wait for a held lock, in milliseconds (long-poll on the store side),
 /// `0..=`[`MAX_WAIT_MS`]: `0` is one attempt, answering `busy` at once if the lock is held.
 pub const HEADER_WAIT_MS: &str = "x-idem-wait-ms";
+/// On `begin`: when the caller gives up on this call, in milliseconds since the Unix epoch (the
+/// caller's clock: the filter sends its send time plus the callout's timeout). Optional. A store
+/// that reaches the call only after it takes no lock and answers `expired`: a lock taken for a
+/// call nobody waits for would hold the key until its TTL (a frozen store, thawed, works through
+/// calls queued while it was frozen). It also never waits past it.
+pub const HEADER_DEADLINE_MS: &str = "x-idem-deadline-ms";
 /// Record lifetime in seconds.
 pub const HEADER_RETENTION_S: &str = "x-idem-retention-s";
 /// On a `record` answer: how long the record still lives, in whole milliseconds. Optional (absent
@@ -85,6 +91,9 @@ wire_enum!(
         Busy => "busy",
         /// A record exists for this key but for a different request body.
         Mismatch => "mismatch",
+        /// The call came past its deadline (`x-idem-deadline-ms`): nothing was looked up or
+        /// locked.
+        Expired => "expired",
     }
 );
 
@@ -149,7 +158,13 @@ mod tests {
 
     #[test]
     fn outcomes_round_trip() {
-        for o in [BeginOutcome::Record, BeginOutcome::Locked, BeginOutcome::Busy, BeginOutcome::Mismatch] {
+        for o in [
+            BeginOutcome::Record,
+            BeginOutcome::Locked,
+            BeginOutcome::Busy,
+            BeginOutcome::Mismatch,
+            BeginOutcome::Expired,
+        ] {
             assert_eq!(BeginOutcome::parse(o.as_str().as_bytes()), Some(o));
         }
         assert_eq!(BeginOutcome::parse(b"RECORD"), None);
