@@ -165,6 +165,10 @@ pub struct Config {
     pub record_too_large: TooLarge,
     /// Header added to the replay of an answer recorded without its body.
     pub body_omitted_header: String,
+    /// Store calls timing out in a row that open the breaker (see `breaker`) ...
+    pub breaker_failures: u32,
+    /// ... for this long, before one `begin` probes the store (0: no breaker).
+    pub breaker_open_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -245,6 +249,8 @@ keys! {
         store_content_types,
         record_too_large,
         body_omitted_header,
+        breaker_failures,
+        breaker_open_ms,
     }
 }
 
@@ -294,6 +300,8 @@ pub const MAX_BODY_BYTES: RangeInclusive<u64> = 0..=64 * 1024 * 1024;
 pub const MAX_RECORD_BYTES: RangeInclusive<u64> = 0..=8 * 1024 * 1024;
 pub const RECORD_CACHE_ENTRIES: RangeInclusive<u64> = 0..=100_000;
 pub const RECORD_CACHE_BYTES: RangeInclusive<u64> = 0..=256 * 1024 * 1024;
+pub const BREAKER_FAILURES: RangeInclusive<u64> = 1..=1000;
+pub const BREAKER_OPEN_MS: RangeInclusive<u64> = 0..=60_000;
 /// At most this many `fingerprint_headers` (each costs a digest in every record).
 pub const MAX_FINGERPRINT_HEADERS: usize = 32;
 
@@ -379,6 +387,8 @@ impl Config {
         let record_cache_bytes =
             number(raw.record_cache_bytes, "record_cache_bytes", RECORD_CACHE_BYTES, 4 * 1024 * 1024)?
                 as usize;
+        let breaker_failures = number(raw.breaker_failures, "breaker_failures", BREAKER_FAILURES, 3)? as u32;
+        let breaker_open_ms = number(raw.breaker_open_ms, "breaker_open_ms", BREAKER_OPEN_MS, 500)?;
         let mode = mode(raw.mode, raw.inbox)?;
         let fingerprint_headers = match raw.fingerprint_headers {
             None | Some(Value::Null) => Vec::new(),
@@ -486,6 +496,8 @@ impl Config {
             store_content_types,
             record_too_large,
             body_omitted_header,
+            breaker_failures,
+            breaker_open_ms,
         })
     }
 
@@ -523,6 +535,8 @@ impl Config {
             store_content_types,
             record_too_large,
             body_omitted_header,
+            breaker_failures,
+            breaker_open_ms,
         } = self;
         let subject = match subject {
             Subject::ClientIp => Value::Null,
@@ -590,6 +604,8 @@ impl Config {
                 TooLarge::Release => "release",
             })),
             body_omitted_header: Some(json!(body_omitted_header)),
+            breaker_failures: Some(json!(breaker_failures)),
+            breaker_open_ms: Some(json!(breaker_open_ms)),
         }
     }
 
@@ -964,6 +980,9 @@ mod tests {
         assert_eq!(c.record_too_large, TooLarge::OmitBody);
         assert_eq!(c.body_omitted_header, "x-idempotent-body-omitted");
         assert_eq!(parse(r#"{"store_cluster":"s","lock_wait_ms":0}"#).unwrap().lock_wait_ms, 0);
+        assert_eq!((c.breaker_failures, c.breaker_open_ms), (3, 500));
+        let off = parse(r#"{"store_cluster":"s","breaker_open_ms":0,"breaker_failures":1}"#).unwrap();
+        assert_eq!((off.breaker_failures, off.breaker_open_ms), (1, 0));
     }
 
     #[test]
@@ -973,7 +992,8 @@ mod tests {
             r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f","path":["a","b"]}},"failure_mode":"closed",
                 "store_secret":"s3cret!","fingerprint_headers":["x-t"],"fingerprint_json":{"ignore":["/a"]},
                 "store_statuses":["2xx","404"],"store_content_types":["+json"],"record_too_large":"release",
-                "lock_wait_ms":0,"store_key_header":"x-k","detached_execution":true}"#,
+                "lock_wait_ms":0,"store_key_header":"x-k","detached_execution":true,
+                "breaker_failures":10,"breaker_open_ms":250}"#,
             r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"/m/id"},
                 "missing_id":"pass","duplicate_status":202}}"#,
         ] {
@@ -1058,6 +1078,8 @@ mod tests {
             (r#"{"store_cluster":"s","lock_ttl_ms":-5}"#, "lock_ttl_ms"),
             (r#"{"store_cluster":"s","lock_wait_ms":1.5}"#, "lock_wait_ms"),
             (r#"{"store_cluster":"s","retention_seconds":0}"#, "retention_seconds"),
+            (r#"{"store_cluster":"s","breaker_failures":0}"#, "breaker_failures"),
+            (r#"{"store_cluster":"s","breaker_open_ms":60001}"#, "breaker_open_ms"),
             (r#"{"store_cluster":"s","require_key":"yes"}"#, "require_key"),
             (r#"{"store_cluster":"s","methods":[]}"#, "methods"),
             (r#"{"store_cluster":"s","methods":["post"]}"#, "methods"),

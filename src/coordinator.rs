@@ -20,6 +20,7 @@ use std::rc::Rc;
 
 use idem_protocol::CommitOutcome;
 
+use crate::breaker::{Breaker, Gate};
 use crate::config::Config;
 use crate::detached::{UpstreamAnswer, UpstreamCall};
 use crate::machine::{Action, Effect, Step, Stream, StreamView};
@@ -185,6 +186,8 @@ pub struct Coordinator {
     callouts: HashMap<u32, Job>,
     /// Records recently replayed by this VM, to answer their retries without a store call.
     recent: Recent,
+    /// Skips `begin`s while the store fails.
+    breaker: Breaker,
     /// The content type a local answer must have where Envoy changes it (it drops one from an
     /// answer without a body, and labels a body without one `text/plain`), by stream: set (or
     /// removed, `None`) when the answer passes this filter's response callback.
@@ -196,6 +199,7 @@ pub struct Coordinator {
 impl Coordinator {
     pub fn new(cfg: Rc<Config>) -> Coordinator {
         let recent = Recent::new(cfg.record_cache_entries, cfg.record_cache_bytes);
+        let breaker = Breaker::new(cfg.breaker_failures, cfg.breaker_open_ms);
         Coordinator {
             cfg,
             streams: HashMap::new(),
@@ -205,6 +209,7 @@ impl Coordinator {
             next_job: 0,
             callouts: HashMap::new(),
             recent,
+            breaker,
             restore: HashMap::new(),
             commands: VecDeque::new(),
             callback: Callback::Stream,
@@ -404,6 +409,21 @@ impl Coordinator {
         }
     }
 
+    /// Whether a `begin` skips the store, the breaker being open (or its probe out).
+    fn skips_begin(&mut self, clock: &dyn Clock) -> bool {
+        if self.breaker.is_closed() {
+            return false;
+        }
+        match self.breaker.gate(clock.now_us().map(|us| us / 1000)) {
+            Gate::Skip => true,
+            Gate::Probe => {
+                log::info!("probing the store with one begin");
+                false
+            }
+            Gate::Call => false,
+        }
+    }
+
     fn flush(&mut self, clock: &dyn Clock) {
         self.wake_pending = false;
         let jobs = std::mem::take(&mut self.outbox);
@@ -456,6 +476,19 @@ impl Coordinator {
     /// Acts on the end of a callout, whether it answered or could not be sent.
     fn finish(&mut self, job: Job, outcome: Answered, clock: &dyn Clock) {
         let mut effects = Vec::new();
+        // Only what costs a request its wait counts: an answer, or a timeout (a store that hangs).
+        // A fast failure (reset, refused, no healthy host, garbage) fails open at once anyway.
+        let timed_out = matches!(outcome.store_fault(), Some(CalloutFault::Timeout));
+        if matches!(job.call, Call::Store(_)) && (timed_out || outcome.store_fault().is_none()) {
+            let now_ms = if timed_out { clock.now_us().map(|us| us / 1000) } else { None };
+            if self.breaker.record(!timed_out, now_ms) {
+                log::warn!(
+                    "store timed out {} times in a row: begins skip it for {} ms, then one probes it",
+                    self.cfg.breaker_failures,
+                    self.cfg.breaker_open_ms
+                );
+            }
+        }
         if let (Call::Store(call), Some(f)) = (&job.call, outcome.store_fault()) {
             log::warn!("{} (try {}): {f}", job.label(), job.attempt + 1);
             effects.push(Effect::Count(Metric::StoreErrors));
@@ -555,13 +588,20 @@ impl Coordinator {
                 }
                 Effect::Store(call) => {
                     if let StoreCall::Begin { key, body_hash } = &call {
-                        if let Some(answer) = self.cached_begin(key, body_hash, clock) {
-                            if let Some(entry) = self.streams.get_mut(&stream) {
-                                let mut effects = entry.stream.on_begin_answer(Ok(answer));
-                                effects.push(Effect::Count(Metric::CacheHits));
-                                self.apply(stream, effects, alive, clock);
-                                continue;
+                        // Answered here (the cache, or the breaker), or sent.
+                        let answer = match self.cached_begin(key, body_hash, clock) {
+                            Some(answer) => Some((Ok(answer), Metric::CacheHits)),
+                            None if self.skips_begin(clock) => {
+                                Some((Err(CalloutFault::Skipped), Metric::StoreSkipped))
                             }
+                            None => None,
+                        };
+                        if let (Some((answer, metric)), Some(entry)) = (answer, self.streams.get_mut(&stream))
+                        {
+                            let mut effects = entry.stream.on_begin_answer(answer);
+                            effects.push(Effect::Count(metric));
+                            self.apply(stream, effects, alive, clock);
+                            continue;
                         }
                     }
                     let job = self.job(stream, Call::Store(call));

@@ -37,7 +37,7 @@ pub const CONFIGS: [&str; 4] = [
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"store_timeout_ms":300,"lock_wait_ms":200}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":2,"failure_mode":"closed"}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"detached_execution":true,"lock_wait_ms":0}"#,
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"record_cache_entries":0}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"record_cache_entries":0,"breaker_failures":1,"breaker_open_ms":300}"#,
 ];
 
 const CLIENT_KEYS: [&str; 3] = ["order-1", "order-2", "order-3"];
@@ -61,6 +61,7 @@ pub struct Tally {
     pub answers_after_end: u32,
     pub expired_records: u32,
     pub expired_begins: u32,
+    pub skipped_begins: u32,
 }
 
 impl Tally {
@@ -81,6 +82,7 @@ impl Tally {
             (&mut self.answers_after_end, o.answers_after_end),
             (&mut self.expired_records, o.expired_records),
             (&mut self.expired_begins, o.expired_begins),
+            (&mut self.skipped_begins, o.skipped_begins),
         ];
         for (sum, n) in pairs {
             *sum += n;
@@ -105,6 +107,7 @@ impl Tally {
             self.answers_after_end,
             self.expired_records,
             self.expired_begins,
+            self.skipped_begins,
         ]
         .iter()
         .all(|&v| v >= n)
@@ -635,6 +638,7 @@ impl World {
                 self.check_cached(i, status, &body)?;
                 self.tally.cache_hits += 1;
             }
+            Command::Count(Metric::StoreSkipped) => self.tally.skipped_begins += 1,
             Command::Count(_) | Command::Latency { .. } => {}
             Command::Wake => {
                 if self.callback == Callback::Root {

@@ -306,6 +306,57 @@ fn a_local_answer_keeps_the_content_type_envoy_would_change() {
     assert_eq!(c.take_restore(3), None);
 }
 
+#[test]
+fn after_store_failures_begins_skip_the_store_until_one_probe_answers() {
+    let clock = TestClock(Cell::new(T0));
+    let mut c = coordinator(r#","breaker_failures":2,"breaker_open_ms":1000"#);
+    let mut token = 0;
+    for id in [2, 3] {
+        request(&mut c, id, &view(&format!("k{id}"), "a"), &clock);
+        let (t, _) = dispatch_all(&mut c, &clock, &mut token)[0].clone();
+        c.on_callout_answer(t, vec![(":status".into(), b"504".to_vec())], vec![], &clock);
+        assert!(drain(&mut c).contains(&Command::Resume { stream: id }), "failed open");
+    }
+    // Open: answered in the stream's own callback, no store call, counted.
+    let (stepped, commands) = request(&mut c, 4, &view("k4", "a"), &clock);
+    assert_eq!(stepped.action, Action::Pause);
+    assert!(commands.contains(&Command::Resume { stream: 4 }), "{commands:?}");
+    assert!(commands.contains(&Command::Count(Metric::StoreSkipped)));
+    assert!(commands.contains(&Command::Count(Metric::Degraded)));
+    assert!(!commands.contains(&Command::Wake) && !commands.contains(&Command::Count(Metric::StoreErrors)));
+
+    // After the interval one begin probes; the others still skip until it answers.
+    clock.0.set(T0 + 1_000_000);
+    let (_, commands) = request(&mut c, 5, &view("k5", "a"), &clock);
+    assert!(commands.contains(&Command::Wake));
+    let (_, commands) = request(&mut c, 6, &view("k6", "a"), &clock);
+    assert!(commands.contains(&Command::Count(Metric::StoreSkipped)) && !commands.contains(&Command::Wake));
+    let (t, _) = dispatch_all(&mut c, &clock, &mut token)[0].clone();
+    c.on_callout_answer(t, answer("locked", &[(proto::HEADER_TOKEN, "tok")]), vec![], &clock);
+    assert!(drain(&mut c).contains(&Command::Resume { stream: 5 }));
+    // Answered: closed again.
+    let (_, commands) = request(&mut c, 7, &view("k7", "a"), &clock);
+    assert!(commands.contains(&Command::Wake) && !commands.contains(&Command::Count(Metric::StoreSkipped)));
+
+    // Failures that cost no wait (a reset) do not open it.
+    let mut c = coordinator(r#","breaker_failures":1"#);
+    for id in [2, 3] {
+        request(&mut c, id, &view(&format!("k{id}"), "a"), &clock);
+        let (t, _) = dispatch_all(&mut c, &clock, &mut token)[0].clone();
+        c.on_callout_answer(t, vec![], vec![], &clock);
+        assert!(!drain(&mut c).contains(&Command::Count(Metric::StoreSkipped)));
+    }
+
+    // Closed mode: a skipped begin is a 503 at once.
+    let mut c = coordinator(r#","breaker_failures":1,"failure_mode":"closed""#);
+    request(&mut c, 2, &view("k1", "a"), &clock);
+    let (t, _) = dispatch_all(&mut c, &clock, &mut token)[0].clone();
+    c.on_callout_answer(t, vec![(":status".into(), b"504".to_vec())], vec![], &clock);
+    assert_eq!(responses(&drain(&mut c)), vec![(2, 503)]);
+    let (_, commands) = request(&mut c, 3, &view("k2", "a"), &clock);
+    assert_eq!(responses(&commands), vec![(3, 503)]);
+}
+
 /// Random interleavings of many streams, store answers and faults, wake-ups, stream ends and
 /// clock jumps, each run checked by [`World`] (see `coordinator_sim`). `fuzz/` drives the same
 /// world from its own inputs.

@@ -6,6 +6,7 @@
 //! they return. [`sim`] and [`coordinator_sim`] are test support: simulated hosts that drive the
 //! machine and the coordinator and check their invariants (unit tests and `fuzz/`).
 
+pub mod breaker;
 pub mod config;
 pub mod coordinator;
 pub mod coordinator_sim;

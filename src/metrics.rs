@@ -41,10 +41,13 @@ pub enum Metric {
     /// A `begin` answered from the VM's cache of recently replayed records (a replay or a `422`
     /// without a store call; also counted as `replayed` or `mismatched`).
     CacheHits,
+    /// A `begin` not sent because the store failed recently (the breaker is open): the request
+    /// fails open or closed at once (also counted as `degraded`).
+    StoreSkipped,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 16] = [
+    pub const ALL: [Metric; 17] = [
         Metric::Guarded,
         Metric::Replayed,
         Metric::Executed,
@@ -61,6 +64,7 @@ impl Metric {
         Metric::Detached,
         Metric::CommittedAfterGone,
         Metric::CacheHits,
+        Metric::StoreSkipped,
     ];
 
     pub fn name(self) -> &'static str {
@@ -81,6 +85,7 @@ impl Metric {
             Metric::Detached => "idempotency.detached",
             Metric::CommittedAfterGone => "idempotency.committed_after_gone",
             Metric::CacheHits => "idempotency.cache_hits",
+            Metric::StoreSkipped => "idempotency.store_skipped",
         }
     }
 
@@ -103,7 +108,8 @@ impl Metric {
             | Metric::CommitFailed
             | Metric::StoreErrors
             | Metric::CommittedAfterGone
-            | Metric::CacheHits => None,
+            | Metric::CacheHits
+            | Metric::StoreSkipped => None,
         }
     }
 

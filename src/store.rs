@@ -131,6 +131,8 @@ pub enum CalloutFault {
     Status(u16),
     /// An answer that does not follow the protocol.
     Garbage(&'static str),
+    /// Not sent: the store failed recently (see `breaker`).
+    Skipped,
 }
 
 impl std::fmt::Display for CalloutFault {
@@ -145,6 +147,7 @@ impl std::fmt::Display for CalloutFault {
             ),
             CalloutFault::Status(s) => write!(f, "answered status {s}"),
             CalloutFault::Garbage(what) => write!(f, "answered garbage: {what}"),
+            CalloutFault::Skipped => f.write_str("not sent: the store failed recently (breaker open)"),
         }
     }
 }

@@ -59,6 +59,9 @@ INVALID = {
     # The record cache (issue 8).
     "record_cache_entries_too_many": ({"store_cluster": "idemstore", "record_cache_entries": 100001},
                                       ["record_cache_entries", "0 to 100000"]),
+    "breaker_failures_zero": ({"store_cluster": "idemstore", "breaker_failures": 0}, ["breaker_failures", "1 to 1000"]),
+    "breaker_open_ms_too_long": ({"store_cluster": "idemstore", "breaker_open_ms": 60001},
+                                 ["breaker_open_ms", "0 to 60000"]),
     "record_cache_bytes_negative": ({"store_cluster": "idemstore", "record_cache_bytes": -1},
                                     ["record_cache_bytes"]),
     # Inbox mode (issue 9).

@@ -703,7 +703,8 @@ def test_drill_redis_stopped_and_restarted(shipped, note):
     assert v.unguarded, "the outage did not degrade any request"
     # The exact count, and the rest of the accounting.
     assert d["degraded"] == len(v.unguarded), (d, len(v.unguarded))
-    assert d["store_errors"] == len(v.unguarded), d
+    # Each unguarded request either saw its begin fail or skipped the store (the breaker open).
+    assert d["store_errors"] + d["store_skipped"] == len(v.unguarded), d
     assert d["commit_failed"] == 0 and d["unavailable"] == 0 and d["conflicted"] == 0, d
     executions = [x for x in load.sent if x.exec_id]
     assert d["executed"] + d["degraded"] == len(executions), (d, len(executions))
@@ -779,7 +780,8 @@ def test_health_check_marks_idemstore_unhealthy(shipped, note):
     assert all(x.status == 201 and x.exec_id and not x.replay for x in sent), [x.short() for x in sent]
     d = counter_delta(s.envoy.counters(), before)
     assert d["degraded"] == 20 and d["guarded"] == 20 and d["executed"] == 0, d
-    assert stat(s.envoy, "cluster.idemstore.upstream_cx_none_healthy") - none0 == 20
+    # No healthy host, or (after three in a row on a worker) the breaker skips the call.
+    assert stat(s.envoy, "cluster.idemstore.upstream_cx_none_healthy") - none0 + d["store_skipped"] == 20, d
     assert stat(s.envoy, "cluster.idemstore.upstream_rq_total") == rq0, "a store call was sent anyway"
     holds = [x.elapsed for x in sent]
     assert max(holds) < 0.2, holds
@@ -987,7 +989,8 @@ def test_drill_idemstore_killed_and_restarted(kill_stack, upstream, note):
     assert v.unguarded and v.refused, (len(v.unguarded), len(v.refused))
     assert d["degraded"] == len(v.unguarded) + len(v.refused), (d, len(v.unguarded), len(v.refused))
     assert d["unavailable"] == len(v.refused), d
-    assert d["store_errors"] == d["degraded"] and d["commit_failed"] == 0 and d["conflicted"] == 0, d
+    assert d["store_errors"] + d["store_skipped"] == d["degraded"], d
+    assert d["commit_failed"] == 0 and d["conflicted"] == 0, d
     assert d["executed"] + len(v.unguarded) == sum(1 for x in load.sent if x.exec_id), d
     assert all(v.is_guarded(x) for x in load.sent if x.t1 <= t_kill)
     in_outage = [x for x in load.sent if x.t0 >= t_down and x.t1 <= t_spawned]
@@ -1035,7 +1038,9 @@ def test_drill_slow_store_is_bounded(run_dir, artifacts, upstream, note):
     envoy = None
     try:
         double.mode(answer="proxy", delay_ms=1500)
-        envoy = drill_envoy(sub, "envoy", {"slow": {"store_timeout_ms": SLOW_TIMEOUT_MS, "lock_wait_ms": SLOW_WAIT_MS}},
+        # Per call: the breaker off (test_breaker.py has the drill with it on).
+        cfg = {"store_timeout_ms": SLOW_TIMEOUT_MS, "lock_wait_ms": SLOW_WAIT_MS, "breaker_open_ms": 0}
+        envoy = drill_envoy(sub, "envoy", {"slow": cfg},
                             upstream.port, artifacts["wasm"], store_cluster=http1_cluster("idemstore", double.port))
         before = envoy.counters()
         timeouts0 = stat(envoy, "cluster.idemstore.upstream_rq_timeout")
@@ -1216,7 +1221,8 @@ def test_drill_no_healthy_store_endpoint(run_dir, artifacts, upstream, note):
         blackhole = h.store_cluster(hole.port, name="store_blackhole")
         clusters = [nohosts, refused, unhealthy, panic, blackhole]
         names = ["nohosts", "refused", "unhealthy", "unhealthy_panic", "blackhole"]
-        cfg = {"store_timeout_ms": NH_TIMEOUT_MS, "lock_wait_ms": NH_WAIT_MS}
+        # Per call: the breaker off (test_breaker.py has the blackhole with it on).
+        cfg = {"store_timeout_ms": NH_TIMEOUT_MS, "lock_wait_ms": NH_WAIT_MS, "breaker_open_ms": 0}
         envoy = drill_envoy(sub, "envoy", {n: {**cfg, "store_cluster": f"store_{n}"} for n in names}, upstream.port,
                             artifacts["wasm"], extra_clusters=clusters)
         h.wait_for(lambda: host_failed_hc(envoy, "store_unhealthy") and host_failed_hc(envoy, "store_unhealthy_panic"),

@@ -44,7 +44,10 @@ def drill(run_dir, artifacts, upstream, protocol: str) -> dict:
             cluster = h.store_cluster(sport)
         else:
             cluster = http1_cluster("idemstore", sport)
-        cfg = {"store_cluster": "idemstore", "store_timeout_ms": TIMEOUT_MS, "lock_wait_ms": WAIT_MS}
+        # The breaker off: every key's call goes out and reaches the store late (with it on,
+        # most would skip the store; the test below has it on).
+        cfg = {"store_cluster": "idemstore", "store_timeout_ms": TIMEOUT_MS, "lock_wait_ms": WAIT_MS,
+               "breaker_open_ms": 0}
 
         def hook(config):
             clusters = config["static_resources"]["clusters"]
@@ -132,3 +135,106 @@ def test_a_thawed_store_leaves_no_lock_behind(run_dir, artifacts, upstream, note
     note(f"store frozen {FREEZE_S:.0f} s ({protocol} store cluster), {KEYS} keys run unguarded in the freeze: "
          f"{got['expired']:.0f} late begins answered expired, retries of all {KEYS} ran at once (no 409), "
          f"{got['took']:.2f}s for all retries")
+
+
+BREAKER_TIMEOUT_MS = 500
+
+
+def test_a_frozen_store_costs_one_timeout_per_interval(run_dir, artifacts, upstream, note):
+    """idemstore SIGSTOPped 3 s under a steady load of unique keys from 8 clients (store_timeout_ms
+    500, lock_wait_ms 0, the default breaker: 3 timeouts in a row open it for 500 ms, then one
+    probe). During the freeze no request waits longer than one timeout (plus the upstream), most
+    skip the store at once (counted on `store_skipped` and `degraded`), and the store sees a few
+    `begin`s per interval, not one per request; after the thaw requests are guarded again at once.
+    (The same freeze with the breaker off is the control: every request waits its timeout.)"""
+    sub = run_dir / "freeze-breaker"
+    redis, rport = h.start_redis(sub)
+    store, sport = h.start_idemstore(sub, f"redis://127.0.0.1:{rport}")
+    envoy = None
+    try:
+        cluster = h.store_cluster(sport)
+        base = {"store_cluster": "idemstore", "store_timeout_ms": BREAKER_TIMEOUT_MS, "lock_wait_ms": 0}
+
+        def hook(config):
+            clusters = config["static_resources"]["clusters"]
+            clusters[:] = [c for c in clusters if c["name"] != "idemstore"] + [cluster]
+
+        filters = {"main": [h.wasm_filter(base, artifacts["wasm"])],
+                   "off": [h.wasm_filter({**base, "breaker_open_ms": 0}, artifacts["wasm"])]}
+        envoy = h.await_envoy(h.spawn_envoy(sub, "envoy", filters, upstream.port, h.free_port(), config_hook=hook))
+        results = {}
+        for listener in ("main", "off"):
+            port = envoy.port(listener)
+            prefix = h.new_key(f"breaker-{listener}")
+            sent: list[tuple[float, float, int]] = []
+            stop = threading.Event()
+            lock = threading.Lock()
+
+            def client(n, port=port, prefix=prefix, sent=sent, stop=stop, lock=lock):
+                i = 0
+                while not stop.is_set():
+                    key = f"{prefix}-{n}-{i}"
+                    i += 1
+                    t0 = time.monotonic()
+                    r = h.request(port, "POST", "/orders", json.dumps({"key": key}),
+                                  [("Idempotency-Key", key), ("content-type", "application/json")], timeout=10)
+                    with lock:
+                        sent.append((t0, time.monotonic(), r.status))
+
+            before = envoy.counters()
+            threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)
+            os.kill(store.pid, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            try:
+                time.sleep(FREEZE_S)
+            finally:
+                os.kill(store.pid, signal.SIGCONT)
+            thawed_at = time.monotonic()
+            time.sleep(1.5)
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+            h.wait_for(lambda: h.request(sport, "GET", "/healthz", None, timeout=2).status == 200, "thawed", store)
+            d = {k: v - before.get(k, 0) for k, v in envoy.counters().items()}
+            # Started in the freeze and answered before the thaw.
+            frozen = [t1 - t0 for t0, t1, _ in sent if t0 >= frozen_at and t1 <= thawed_at]
+            after = [t1 - t0 for t0, t1, _ in sent if t0 >= thawed_at + 1.0]
+            assert all(status == 201 for _, _, status in sent), [s for _, _, s in sent if s != 201][:5]
+            assert frozen and after, (len(frozen), len(after))
+            frozen.sort()
+            results[listener] = {
+                "requests": len(sent), "frozen": len(frozen), "p50": frozen[len(frozen) // 2],
+                "p99": frozen[int(len(frozen) * 0.99)], "max": frozen[-1],
+                "slow": sum(1 for x in frozen if x >= BREAKER_TIMEOUT_MS / 1000 - 0.05),
+                "after_max": max(after), "skipped": d.get("store_skipped", 0), "degraded": d.get("degraded", 0),
+            }
+        on, off = results["main"], results["off"]
+        bound = BREAKER_TIMEOUT_MS / 1000 + 0.15
+        # Never more than one timeout (plus the upstream and this machine's jitter).
+        assert on["max"] <= bound and off["max"] <= bound, results
+        # With the breaker most requests in the freeze skip the store at once; without it each
+        # one waits its timeout.
+        assert on["p50"] < 0.05, on
+        assert on["skipped"] > 0 and on["skipped"] <= on["degraded"], on
+        assert off["p50"] >= BREAKER_TIMEOUT_MS / 1000 - 0.05 and off["skipped"] == 0, off
+        assert on["slow"] * 3 < off["slow"] or on["slow"] <= 2 * (3 + FREEZE_S / 0.5 + 1) + 8, results
+        # Thawed: guarded again, fast.
+        assert on["after_max"] < 0.2, on
+        key = h.new_key("breaker-after")
+        executed0 = envoy.counter("executed")
+        first = h.request(envoy.port("main"), "POST", "/orders", "{}", [("Idempotency-Key", key)])
+        assert first.status == 201 and envoy.counter("executed") == executed0 + 1
+        note(f"idemstore frozen {FREEZE_S:.0f} s under 8 clients (store_timeout_ms {BREAKER_TIMEOUT_MS}, lock_wait_ms 0): "
+             f"breaker on: {on['frozen']} requests in the freeze, p50 {on['p50'] * 1000:.0f} ms, "
+             f"p99 {on['p99'] * 1000:.0f} ms, max {on['max'] * 1000:.0f} ms, {on['slow']} waited a timeout, "
+             f"store_skipped {on['skipped']}; breaker off: {off['frozen']} requests, p50 {off['p50'] * 1000:.0f} ms, "
+             f"p99 {off['p99'] * 1000:.0f} ms, {off['slow']} waited a timeout; after the thaw max "
+             f"{on['after_max'] * 1000:.0f} ms")
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        store.stop()
+        redis.stop()
