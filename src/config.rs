@@ -169,6 +169,13 @@ pub struct Config {
     pub breaker_failures: u32,
     /// ... for this long, before one `begin` probes the store (0: no breaker).
     pub breaker_open_ms: u64,
+    /// While the store fails (`failure_mode: open`), keep one execution per key within this
+    /// Envoy with a lock and records shared by its workers (see `fallback`).
+    pub local_fallback: bool,
+    /// The local records' bound in entries ...
+    pub local_record_entries: usize,
+    /// ... and in bytes, for the whole Envoy process.
+    pub local_record_bytes: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -251,6 +258,9 @@ keys! {
         body_omitted_header,
         breaker_failures,
         breaker_open_ms,
+        local_fallback,
+        local_record_entries,
+        local_record_bytes,
     }
 }
 
@@ -302,6 +312,8 @@ pub const RECORD_CACHE_ENTRIES: RangeInclusive<u64> = 0..=100_000;
 pub const RECORD_CACHE_BYTES: RangeInclusive<u64> = 0..=256 * 1024 * 1024;
 pub const BREAKER_FAILURES: RangeInclusive<u64> = 1..=1000;
 pub const BREAKER_OPEN_MS: RangeInclusive<u64> = 0..=60_000;
+pub const LOCAL_RECORD_ENTRIES: RangeInclusive<u64> = 0..=1_000_000;
+pub const LOCAL_RECORD_BYTES: RangeInclusive<u64> = 0..=1024 * 1024 * 1024;
 /// At most this many `fingerprint_headers` (each costs a digest in every record).
 pub const MAX_FINGERPRINT_HEADERS: usize = 32;
 
@@ -389,6 +401,12 @@ impl Config {
                 as usize;
         let breaker_failures = number(raw.breaker_failures, "breaker_failures", BREAKER_FAILURES, 3)? as u32;
         let breaker_open_ms = number(raw.breaker_open_ms, "breaker_open_ms", BREAKER_OPEN_MS, 500)?;
+        let local_fallback = boolean(raw.local_fallback, "local_fallback", true)?;
+        let local_record_entries =
+            number(raw.local_record_entries, "local_record_entries", LOCAL_RECORD_ENTRIES, 100_000)? as usize;
+        let local_record_bytes =
+            number(raw.local_record_bytes, "local_record_bytes", LOCAL_RECORD_BYTES, 64 * 1024 * 1024)?
+                as usize;
         let mode = mode(raw.mode, raw.inbox)?;
         let fingerprint_headers = match raw.fingerprint_headers {
             None | Some(Value::Null) => Vec::new(),
@@ -498,6 +516,9 @@ impl Config {
             body_omitted_header,
             breaker_failures,
             breaker_open_ms,
+            local_fallback,
+            local_record_entries,
+            local_record_bytes,
         })
     }
 
@@ -537,6 +558,9 @@ impl Config {
             body_omitted_header,
             breaker_failures,
             breaker_open_ms,
+            local_fallback,
+            local_record_entries,
+            local_record_bytes,
         } = self;
         let subject = match subject {
             Subject::ClientIp => Value::Null,
@@ -606,6 +630,9 @@ impl Config {
             body_omitted_header: Some(json!(body_omitted_header)),
             breaker_failures: Some(json!(breaker_failures)),
             breaker_open_ms: Some(json!(breaker_open_ms)),
+            local_fallback: Some(json!(local_fallback)),
+            local_record_entries: Some(json!(local_record_entries)),
+            local_record_bytes: Some(json!(local_record_bytes)),
         }
     }
 
@@ -983,6 +1010,8 @@ mod tests {
         assert_eq!((c.breaker_failures, c.breaker_open_ms), (3, 500));
         let off = parse(r#"{"store_cluster":"s","breaker_open_ms":0,"breaker_failures":1}"#).unwrap();
         assert_eq!((off.breaker_failures, off.breaker_open_ms), (1, 0));
+        assert!(c.local_fallback);
+        assert_eq!((c.local_record_entries, c.local_record_bytes), (100_000, 64 * 1024 * 1024));
     }
 
     #[test]
@@ -993,7 +1022,8 @@ mod tests {
                 "store_secret":"s3cret!","fingerprint_headers":["x-t"],"fingerprint_json":{"ignore":["/a"]},
                 "store_statuses":["2xx","404"],"store_content_types":["+json"],"record_too_large":"release",
                 "lock_wait_ms":0,"store_key_header":"x-k","detached_execution":true,
-                "breaker_failures":10,"breaker_open_ms":250}"#,
+                "breaker_failures":10,"breaker_open_ms":250,"local_fallback":false,
+                "local_record_entries":10,"local_record_bytes":4096}"#,
             r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"/m/id"},
                 "missing_id":"pass","duplicate_status":202}}"#,
         ] {
@@ -1080,6 +1110,8 @@ mod tests {
             (r#"{"store_cluster":"s","retention_seconds":0}"#, "retention_seconds"),
             (r#"{"store_cluster":"s","breaker_failures":0}"#, "breaker_failures"),
             (r#"{"store_cluster":"s","breaker_open_ms":60001}"#, "breaker_open_ms"),
+            (r#"{"store_cluster":"s","local_fallback":"yes"}"#, "local_fallback"),
+            (r#"{"store_cluster":"s","local_record_bytes":1073741825}"#, "local_record_bytes"),
             (r#"{"store_cluster":"s","require_key":"yes"}"#, "require_key"),
             (r#"{"store_cluster":"s","methods":[]}"#, "methods"),
             (r#"{"store_cluster":"s","methods":["post"]}"#, "methods"),

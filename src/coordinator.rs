@@ -23,6 +23,8 @@ use idem_protocol::CommitOutcome;
 use crate::breaker::{Breaker, Gate};
 use crate::config::Config;
 use crate::detached::{UpstreamAnswer, UpstreamCall};
+use crate::fallback::{self, Fallback, Outcome};
+use crate::local::SharedData;
 use crate::machine::{Action, Effect, Step, Stream, StreamView};
 use crate::metrics::Metric;
 use crate::problem::LocalResponse;
@@ -35,6 +37,12 @@ pub trait Clock {
     /// Microseconds since the Unix epoch, if the host can tell.
     fn now_us(&self) -> Option<u64>;
 }
+
+/// What the coordinator reads from the host besides its events: the clock, and the shared data
+/// every worker of the process sees (the local fallback, see `local`).
+pub trait Env: Clock + SharedData {}
+
+impl<T: Clock + SharedData + ?Sized> Env for T {}
 
 /// What the host does, in the order [`Coordinator::poll`] returns it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +73,17 @@ pub enum Command {
         outcome: &'static str,
     },
     Count(Metric),
+    /// Add `n` to a counter.
+    Add {
+        metric: Metric,
+        n: u64,
+    },
+    /// Set the gauge of local records (`metrics::LOCAL_RECORDS`).
+    LocalRecords(u64),
+    /// Call [`Coordinator::on_tick`] every this many milliseconds (0: stop).
+    Tick {
+        period_ms: u64,
+    },
     /// A store call's latency, for its histogram.
     Latency {
         kind: CallKind,
@@ -125,6 +144,8 @@ struct Job {
     attempt: u32,
     /// When the callout was handed to the host, for the latency histograms and the cache.
     sent_us: Option<u64>,
+    /// A local record's commit, handed back to the store (no stream).
+    hand_back: bool,
 }
 
 enum Call {
@@ -188,6 +209,10 @@ pub struct Coordinator {
     recent: Recent,
     /// Skips `begin`s while the store fails.
     breaker: Breaker,
+    /// The local lock and records, while the store fails (`local_fallback`).
+    fallback: Option<Fallback>,
+    /// The root's tick period asked for last.
+    tick_ms: u64,
     /// The content type a local answer must have where Envoy changes it (it drops one from an
     /// answer without a body, and labels a body without one `text/plain`), by stream: set (or
     /// removed, `None`) when the answer passes this filter's response callback.
@@ -200,6 +225,7 @@ impl Coordinator {
     pub fn new(cfg: Rc<Config>) -> Coordinator {
         let recent = Recent::new(cfg.record_cache_entries, cfg.record_cache_bytes);
         let breaker = Breaker::new(cfg.breaker_failures, cfg.breaker_open_ms);
+        let fallback = Fallback::new(&cfg);
         Coordinator {
             cfg,
             streams: HashMap::new(),
@@ -210,9 +236,69 @@ impl Coordinator {
             callouts: HashMap::new(),
             recent,
             breaker,
+            fallback,
+            tick_ms: 0,
             restore: HashMap::new(),
             commands: VecDeque::new(),
             callback: Callback::Stream,
+        }
+    }
+
+    /// Prepares the shared data of the local fallback, before any request; `seed` is random
+    /// per VM. Without it (the host refused) there is no local fallback.
+    pub fn set_up(&mut self, env: &dyn Env, seed: u64) {
+        self.callback = Callback::Root;
+        if let Some(f) = &mut self.fallback {
+            if !f.set_up(env, seed) {
+                log::warn!("cannot set up the shared data: no local fallback while the store fails");
+                self.fallback = None;
+            }
+        }
+        self.retick();
+    }
+
+    /// The root's tick: waiters for a local lock look again, local records are handed back.
+    pub fn on_tick(&mut self, env: &dyn Env) {
+        self.callback = Callback::Root;
+        let Some(now_ms) = env.now_us().map(|us| us / 1000) else { return };
+        let Some(f) = &mut self.fallback else { return };
+        let streams = &self.streams;
+        let due = f.due(env, now_ms, |id| streams.get(&id).is_none_or(|e| e.gone));
+        let (hand_backs, records) =
+            if self.breaker.is_closed() { f.hand_backs(env, now_ms) } else { (vec![], None) };
+        for (stream, outcome) in due {
+            let (effects, alive) = self.local_outcome(stream, outcome);
+            self.apply(stream, effects, alive, env);
+        }
+        if let Some(n) = records {
+            self.commands.push_back(Command::LocalRecords(n as u64));
+        }
+        for h in hand_backs {
+            let call = StoreCall::Commit {
+                key: h.key,
+                token: "handback".into(),
+                body_hash: h.body_hash,
+                record: h.record,
+            };
+            let job = Job {
+                stream: 0,
+                request_id: Rc::from("-"),
+                call: Call::Store(call),
+                attempt: 0,
+                sent_us: None,
+                hand_back: true,
+            };
+            self.submit(job, env);
+        }
+        self.retick();
+    }
+
+    /// Asks for the tick the local fallback needs now, if it changed.
+    fn retick(&mut self) {
+        let period_ms = self.fallback.as_ref().map_or(0, Fallback::tick_ms);
+        if period_ms != self.tick_ms {
+            self.tick_ms = period_ms;
+            self.commands.push_back(Command::Tick { period_ms });
         }
     }
 
@@ -235,12 +321,17 @@ impl Coordinator {
         })
     }
 
+    /// Streams wait for a local lock another request holds.
+    pub fn is_waiting(&self) -> bool {
+        self.fallback.as_ref().is_some_and(Fallback::is_waiting)
+    }
+
     /// A stream callback: `event` is the machine's handler for it.
     pub fn on_stream_event(
         &mut self,
         id: u32,
         view: &dyn StreamView,
-        clock: &dyn Clock,
+        env: &dyn Env,
         event: impl FnOnce(&mut Stream, &dyn StreamView) -> Step,
     ) -> Stepped {
         self.callback = Callback::Stream;
@@ -265,7 +356,7 @@ impl Coordinator {
             entry.request_id =
                 Some(request_id(view.request_header("x-request-id").first().map(Vec::as_slice)));
         }
-        self.apply(id, step.effects, true, clock);
+        self.apply(id, step.effects, true, env);
         // A stream the machine is done with (most of them: not guarded) is forgotten now, not at
         // its end, and its remaining callbacks cost nothing but the call into the VM.
         let done = self.streams.get(&id).is_some_and(|e| e.stream.is_done());
@@ -276,7 +367,7 @@ impl Coordinator {
     }
 
     /// Envoy destroyed the stream (complete, reset, or the client went away).
-    pub fn on_stream_done(&mut self, id: u32, clock: &dyn Clock) {
+    pub fn on_stream_done(&mut self, id: u32, env: &dyn Env) {
         self.callback = Callback::Stream;
         if !self.restore.is_empty() {
             self.restore.remove(&id);
@@ -288,7 +379,7 @@ impl Coordinator {
         } else {
             entry.gone = true;
         }
-        self.apply(id, effects, true, clock);
+        self.apply(id, effects, true, env);
     }
 
     /// The content type to give this stream's local answer as it passes the response callback
@@ -305,24 +396,24 @@ impl Coordinator {
     }
 
     /// The root's wake-up: dispatch everything queued.
-    pub fn on_queue_ready(&mut self, clock: &dyn Clock) {
+    pub fn on_queue_ready(&mut self, env: &dyn Env) {
         self.callback = Callback::Root;
-        self.flush(clock);
+        self.flush(env);
     }
 
     /// A [`Command::Wake`] failed: without it the queued calls would never leave, so they fail
     /// now (each request fails open or closed as configured).
-    pub fn on_wake_failed(&mut self, clock: &dyn Clock) {
+    pub fn on_wake_failed(&mut self, env: &dyn Env) {
         self.callback = Callback::Stream;
         self.wake_pending = false;
         for job in std::mem::take(&mut self.outbox) {
             let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
-            self.finish(job, outcome, clock);
+            self.finish(job, outcome, env);
         }
     }
 
     /// The host carried out a [`Command::Dispatch`]: `token` is Envoy's, `None` if it refused.
-    pub fn on_dispatched(&mut self, job: u64, token: Option<u32>, clock: &dyn Clock) {
+    pub fn on_dispatched(&mut self, job: u64, token: Option<u32>, env: &dyn Env) {
         self.callback = Callback::Root;
         let Some(job) = self.dispatching.remove(&job) else { return };
         match token {
@@ -332,7 +423,7 @@ impl Coordinator {
             None => {
                 log::warn!("{}: dispatch failed", job.label());
                 let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
-                self.finish(job, outcome, clock);
+                self.finish(job, outcome, env);
             }
         }
     }
@@ -343,13 +434,13 @@ impl Coordinator {
         token: u32,
         headers: Vec<(String, Vec<u8>)>,
         body: Vec<u8>,
-        clock: &dyn Clock,
+        env: &dyn Env,
     ) {
         self.callback = Callback::Root;
         let Some(job) = self.callouts.remove(&token) else { return };
         let outcome = match &job.call {
             Call::Store(c) => {
-                let now_us = clock.now_us();
+                let now_us = env.now_us();
                 if let (Some(sent), Some(now)) = (job.sent_us, now_us) {
                     self.commands
                         .push_back(Command::Latency { kind: c.kind(), micros: now.saturating_sub(sent) });
@@ -378,7 +469,7 @@ impl Coordinator {
             }
             Call::Upstream(_) => Answered::Upstream(UpstreamAnswer::decode(headers, body)),
         };
-        self.finish(job, outcome, clock);
+        self.finish(job, outcome, env);
     }
 
     /// Caches a record the store replayed, until the end of the lifetime the store gave it,
@@ -397,11 +488,11 @@ impl Coordinator {
     }
 
     /// The cache's answer to a `begin`, if it has one.
-    fn cached_begin(&mut self, key: &str, body_hash: &str, clock: &dyn Clock) -> Option<BeginAnswer> {
+    fn cached_begin(&mut self, key: &str, body_hash: &str, env: &dyn Env) -> Option<BeginAnswer> {
         if !self.recent.is_enabled() || self.recent.is_empty() {
             return None;
         }
-        let now_ms = clock.now_us()? / 1000;
+        let now_ms = env.now_us()? / 1000;
         match self.recent.lookup(key, body_hash, now_ms) {
             Cached::Replay(record) => Some(BeginAnswer::Replay(record)),
             Cached::Mismatch => Some(BeginAnswer::Mismatch),
@@ -410,11 +501,11 @@ impl Coordinator {
     }
 
     /// Whether a `begin` skips the store, the breaker being open (or its probe out).
-    fn skips_begin(&mut self, clock: &dyn Clock) -> bool {
+    fn skips_begin(&mut self, env: &dyn Env) -> bool {
         if self.breaker.is_closed() {
             return false;
         }
-        match self.breaker.gate(clock.now_us().map(|us| us / 1000)) {
+        match self.breaker.gate(env.now_us().map(|us| us / 1000)) {
             Gate::Skip => true,
             Gate::Probe => {
                 log::info!("probing the store with one begin");
@@ -424,13 +515,13 @@ impl Coordinator {
         }
     }
 
-    fn flush(&mut self, clock: &dyn Clock) {
+    fn flush(&mut self, env: &dyn Env) {
         self.wake_pending = false;
         let jobs = std::mem::take(&mut self.outbox);
         if jobs.is_empty() {
             return;
         }
-        let sent_us = clock.now_us();
+        let sent_us = env.now_us();
         for mut job in jobs {
             job.sent_us = sent_us;
             let id = self.next_job;
@@ -461,10 +552,10 @@ impl Coordinator {
     }
 
     /// Queues a callout: dispatched at once in a root callback, else after a wake-up.
-    fn submit(&mut self, job: Job, clock: &dyn Clock) {
+    fn submit(&mut self, job: Job, env: &dyn Env) {
         self.outbox.push(job);
         match self.callback {
-            Callback::Root => self.flush(clock),
+            Callback::Root => self.flush(env),
             Callback::Stream if !self.wake_pending => {
                 self.wake_pending = true;
                 self.commands.push_back(Command::Wake);
@@ -474,13 +565,13 @@ impl Coordinator {
     }
 
     /// Acts on the end of a callout, whether it answered or could not be sent.
-    fn finish(&mut self, job: Job, outcome: Answered, clock: &dyn Clock) {
+    fn finish(&mut self, job: Job, outcome: Answered, env: &dyn Env) {
         let mut effects = Vec::new();
         // Only what costs a request its wait counts: an answer, or a timeout (a store that hangs).
         // A fast failure (reset, refused, no healthy host, garbage) fails open at once anyway.
         let timed_out = matches!(outcome.store_fault(), Some(CalloutFault::Timeout));
         if matches!(job.call, Call::Store(_)) && (timed_out || outcome.store_fault().is_none()) {
-            let now_ms = if timed_out { clock.now_us().map(|us| us / 1000) } else { None };
+            let now_ms = if timed_out { env.now_us().map(|us| us / 1000) } else { None };
             if self.breaker.record(!timed_out, now_ms) {
                 log::warn!(
                     "store timed out {} times in a row: begins skip it for {} ms, then one probes it",
@@ -488,6 +579,13 @@ impl Coordinator {
                     self.cfg.breaker_open_ms
                 );
             }
+        }
+        if job.hand_back {
+            self.hand_back_answered(&job, &outcome, env);
+            return;
+        }
+        if let (Some(f), Call::Store(_), None) = (&mut self.fallback, &job.call, outcome.store_fault()) {
+            f.store_answered();
         }
         if let (Call::Store(call), Some(f)) = (&job.call, outcome.store_fault()) {
             log::warn!("{} (try {}): {f}", job.label(), job.attempt + 1);
@@ -500,12 +598,20 @@ impl Coordinator {
                     call: Call::Store(next),
                     attempt,
                     sent_us: None,
+                    hand_back: false,
                 };
-                self.submit(retry, clock);
+                self.submit(retry, env);
             }
         }
         let stream_alive = match outcome {
             Answered::Begin(answer) => match (&job.call, answer) {
+                (Call::Store(StoreCall::Begin { key, body_hash }), Err(fault))
+                    if self.fallback.is_some() && self.streams.contains_key(&job.stream) =>
+                {
+                    let (more, alive) = self.begin_unanswered(job.stream, key, body_hash, fault, env);
+                    effects.extend(more);
+                    alive
+                }
                 (_, answer) if self.streams.contains_key(&job.stream) => {
                     self.feed(&job, &mut effects, |s| s.on_begin_answer(answer))
                 }
@@ -539,7 +645,74 @@ impl Coordinator {
             }
             Answered::Release(_) => false,
         };
-        self.apply(job.stream, effects, stream_alive, clock);
+        self.apply(job.stream, effects, stream_alive, env);
+    }
+
+    /// A `begin` answered without the store (the cache): the machine's effects, counted.
+    fn feed_begin(
+        &mut self,
+        stream: u32,
+        answer: Result<BeginAnswer, CalloutFault>,
+        metric: Option<Metric>,
+    ) -> Vec<Effect> {
+        let Some(entry) = self.streams.get_mut(&stream) else { return vec![] };
+        let mut effects = entry.stream.on_begin_answer(answer);
+        effects.extend(metric.map(Effect::Count));
+        effects
+    }
+
+    /// The store could not answer this stream's `begin`: the local fallback's answer, or the
+    /// fault. Returns the effects and whether the stream is still there for the client.
+    fn begin_unanswered(
+        &mut self,
+        stream: u32,
+        key: &str,
+        body_hash: &str,
+        fault: CalloutFault,
+        env: &dyn Env,
+    ) -> (Vec<Effect>, bool) {
+        let gone = self.streams.get(&stream).is_none_or(|e| e.gone);
+        let outcome = match &mut self.fallback {
+            Some(f) if !gone => f.begin(env, stream, key, body_hash, fault, env.now_us().map(|us| us / 1000)),
+            _ => Outcome::Answer(Err(fault), vec![]),
+        };
+        let out = self.local_outcome(stream, outcome);
+        self.retick();
+        out
+    }
+
+    /// Feeds a local answer to its stream (nothing yet if it waits).
+    fn local_outcome(&mut self, stream: u32, outcome: Outcome) -> (Vec<Effect>, bool) {
+        let (answer, metrics) = match outcome {
+            Outcome::Wait => return (vec![], true),
+            Outcome::Answer(answer, metrics) => (answer, metrics),
+        };
+        let Some(entry) = self.streams.get_mut(&stream) else { return (vec![], false) };
+        let mut effects = entry.stream.on_begin_answer(answer);
+        // `executed` counts what ran holding the store's lock; under the local lock it is
+        // `degraded` (and `local_locks`) instead.
+        if metrics.contains(&Metric::LocalLocks) {
+            effects.retain(|e| *e != Effect::Count(Metric::Executed));
+        }
+        effects.extend(metrics.into_iter().map(Effect::Count));
+        let gone = entry.gone;
+        if gone && entry.stream.is_settled() {
+            self.streams.remove(&stream);
+        }
+        (effects, !gone)
+    }
+
+    /// A hand-back commit ended: the record stays local until the store has it.
+    fn hand_back_answered(&mut self, job: &Job, outcome: &Answered, env: &dyn Env) {
+        let ok = matches!(outcome, Answered::Commit(Ok(_)));
+        if let (Some(f), Call::Store(call)) = (&mut self.fallback, &job.call) {
+            f.handed_back(env, call.key(), ok, env.now_us().map(|us| us / 1000));
+        }
+        match outcome.store_fault() {
+            None if ok => self.commands.push_back(Command::Count(Metric::HandedBack)),
+            fault => log::info!("{}: hand-back not taken ({fault:?}), offered again", job.label()),
+        }
+        self.retick();
     }
 
     /// Feeds an answer to the stream's machine (if Envoy has not destroyed it yet, the answer is
@@ -565,7 +738,7 @@ impl Coordinator {
 
     /// Turns a stream's effects into commands; what only a live stream can take is dropped for a
     /// destroyed one.
-    fn apply(&mut self, stream: u32, effects: Vec<Effect>, alive: bool, clock: &dyn Clock) {
+    fn apply(&mut self, stream: u32, effects: Vec<Effect>, alive: bool, env: &dyn Env) {
         for effect in effects {
             match effect {
                 Effect::Respond(response) if alive => {
@@ -586,30 +759,47 @@ impl Coordinator {
                 Effect::RemoveRequestHeader(name) => {
                     self.commands.push_back(Command::RemoveRequestHeader { stream, name })
                 }
+                Effect::Store(StoreCall::Commit { key, token, body_hash, record })
+                    if fallback::is_local(&token) =>
+                {
+                    let now_ms = env.now_us().map(|us| us / 1000);
+                    if let Some(f) = &mut self.fallback {
+                        for (metric, n) in f.commit(env, &key, &token, &body_hash, &record, now_ms) {
+                            self.commands.push_back(Command::Add { metric, n });
+                        }
+                    }
+                    self.retick();
+                }
+                Effect::Store(StoreCall::Release { key, token }) if fallback::is_local(&token) => {
+                    let now_ms = env.now_us().map(|us| us / 1000);
+                    if let Some(f) = &mut self.fallback {
+                        f.release(env, &key, &token, now_ms);
+                    }
+                }
                 Effect::Store(call) => {
                     if let StoreCall::Begin { key, body_hash } = &call {
                         // Answered here (the cache, or the breaker), or sent.
-                        let answer = match self.cached_begin(key, body_hash, clock) {
-                            Some(answer) => Some((Ok(answer), Metric::CacheHits)),
-                            None if self.skips_begin(clock) => {
-                                Some((Err(CalloutFault::Skipped), Metric::StoreSkipped))
+                        if self.streams.contains_key(&stream) {
+                            if let Some(answer) = self.cached_begin(key, body_hash, env) {
+                                let effects = self.feed_begin(stream, Ok(answer), Some(Metric::CacheHits));
+                                self.apply(stream, effects, alive, env);
+                                continue;
                             }
-                            None => None,
-                        };
-                        if let (Some((answer, metric)), Some(entry)) = (answer, self.streams.get_mut(&stream))
-                        {
-                            let mut effects = entry.stream.on_begin_answer(answer);
-                            effects.push(Effect::Count(metric));
-                            self.apply(stream, effects, alive, clock);
-                            continue;
+                            if self.skips_begin(env) {
+                                let (mut effects, _) =
+                                    self.begin_unanswered(stream, key, body_hash, CalloutFault::Skipped, env);
+                                effects.push(Effect::Count(Metric::StoreSkipped));
+                                self.apply(stream, effects, alive, env);
+                                continue;
+                            }
                         }
                     }
                     let job = self.job(stream, Call::Store(call));
-                    self.submit(job, clock);
+                    self.submit(job, env);
                 }
                 Effect::Upstream(call) => {
                     let job = self.job(stream, Call::Upstream(call));
-                    self.submit(job, clock);
+                    self.submit(job, env);
                 }
                 Effect::Count(m) => {
                     if log::log_enabled!(log::Level::Debug) {
@@ -627,7 +817,7 @@ impl Coordinator {
     fn job(&self, stream: u32, call: Call) -> Job {
         let request_id =
             self.streams.get(&stream).and_then(|e| e.request_id.clone()).unwrap_or_else(|| Rc::from("-"));
-        Job { stream, request_id, call, attempt: 0, sent_us: None }
+        Job { stream, request_id, call, attempt: 0, sent_us: None, hand_back: false }
     }
 
     /// One debug line per counted outcome (guarded, replayed, executed, ...), to follow a request.

@@ -25,6 +25,7 @@ use idem_protocol as proto;
 
 use crate::config::Config;
 use crate::coordinator::{Clock, Command, Coordinator, Dispatch, Stepped};
+use crate::local::{MemoryData, SharedData};
 use crate::machine::Action;
 use crate::metrics::Metric;
 use crate::record::Record;
@@ -34,10 +35,10 @@ use crate::store::StoreCall;
 /// Configurations a run picks from (each with `store_key_header`, through which the simulation
 /// learns every stream's store key).
 pub const CONFIGS: [&str; 4] = [
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"store_timeout_ms":300,"lock_wait_ms":200}"#,
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":2,"failure_mode":"closed"}"#,
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"detached_execution":true,"lock_wait_ms":0}"#,
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","retention_seconds":1,"record_cache_entries":0,"breaker_failures":1,"breaker_open_ms":300}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":1,"store_timeout_ms":300,"lock_wait_ms":200}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":2,"failure_mode":"closed"}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":1,"detached_execution":true,"lock_wait_ms":0}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":1,"record_cache_entries":0,"breaker_failures":1,"breaker_open_ms":300}"#,
 ];
 
 const CLIENT_KEYS: [&str; 3] = ["order-1", "order-2", "order-3"];
@@ -62,6 +63,10 @@ pub struct Tally {
     pub expired_records: u32,
     pub expired_begins: u32,
     pub skipped_begins: u32,
+    pub local_locks: u32,
+    pub local_replays: u32,
+    pub handed_back: u32,
+    pub hand_backs_dropped: u32,
 }
 
 impl Tally {
@@ -83,6 +88,9 @@ impl Tally {
             (&mut self.expired_records, o.expired_records),
             (&mut self.expired_begins, o.expired_begins),
             (&mut self.skipped_begins, o.skipped_begins),
+            (&mut self.local_locks, o.local_locks),
+            (&mut self.local_replays, o.local_replays),
+            (&mut self.handed_back, o.handed_back),
         ];
         for (sum, n) in pairs {
             *sum += n;
@@ -108,6 +116,9 @@ impl Tally {
             self.expired_records,
             self.expired_begins,
             self.skipped_begins,
+            self.local_locks,
+            self.local_replays,
+            self.handed_back,
         ]
         .iter()
         .all(|&v| v >= n)
@@ -151,11 +162,22 @@ impl Rng {
     }
 }
 
-struct SimClock(Cell<u64>);
+/// The simulated clock, and the process's shared data.
+struct SimClock(Cell<u64>, MemoryData);
 
 impl Clock for SimClock {
     fn now_us(&self) -> Option<u64> {
         Some(self.0.get())
+    }
+}
+
+impl SharedData for SimClock {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.1.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+        self.1.set(key, value, cas)
     }
 }
 
@@ -231,6 +253,8 @@ pub struct World {
     streams: Vec<SimStream>,
     max_streams: usize,
     queued_wakes: u32,
+    /// The root's tick period the coordinator asked for (0: none).
+    tick_ms: u64,
     in_flight: Vec<InFlight>,
     next_token: u32,
     store: HashMap<String, Stored>,
@@ -271,11 +295,12 @@ impl World {
         World {
             coord: Coordinator::new(Rc::clone(&cfg)),
             cfg,
-            clock: SimClock(Cell::new(1_700_000_000_000_000)),
+            clock: SimClock(Cell::new(1_700_000_000_000_000), MemoryData::default()),
             rng,
             streams: Vec::new(),
             max_streams,
             queued_wakes: 0,
+            tick_ms: 0,
             in_flight: Vec::new(),
             next_token: 1,
             store: HashMap::new(),
@@ -295,6 +320,8 @@ impl World {
     /// checks after each event and at the end.
     pub fn run(rng: Rng, steps: usize) -> Result<Tally, String> {
         let mut w = World::new(rng);
+        w.coord.set_up(&w.clock, 7);
+        w.commands()?;
         for _ in 0..steps {
             w.random_event()?;
         }
@@ -316,6 +343,7 @@ impl World {
             },
             3 | 4 => self.answer_one(),
             5 if self.queued_wakes > 0 => self.queue_ready(),
+            5 if self.tick_ms > 0 => self.tick(),
             6 => {
                 let us = self.rng.below(700_000);
                 self.clock.0.set(self.clock.0.get() + us);
@@ -358,6 +386,17 @@ impl World {
                 self.settle_calls()?;
             }
         }
+        let now_ms = self.clock.0.get() / 1000;
+        let local = crate::local::LocalStore::new(
+            self.cfg.local_record_entries,
+            self.cfg.local_record_bytes,
+            self.cfg.lock_ttl_ms,
+            self.cfg.retention_seconds * 1000,
+        );
+        let locks = local.held_locks(&self.clock.1, now_ms);
+        if locks > 0 {
+            return self.violation(format!("{locks} local locks still held once every stream ended"));
+        }
         let (streams, calls) = self.coord.pending();
         if streams + calls > 0 {
             return self
@@ -376,16 +415,21 @@ impl World {
         Ok(())
     }
 
+    /// Answers every call, and lets the clock run for streams that wait for a local lock.
     fn settle_calls(&mut self) -> Result<(), String> {
-        while self.queued_wakes > 0 || !self.in_flight.is_empty() {
+        for _ in 0..10_000 {
             if self.queued_wakes > 0 {
                 self.queue_ready()?;
-            }
-            if !self.in_flight.is_empty() {
+            } else if !self.in_flight.is_empty() {
                 self.answer_one()?;
+            } else if self.coord.is_waiting() && self.tick_ms > 0 {
+                self.clock.0.set(self.clock.0.get() + 50_000);
+                self.tick()?;
+            } else {
+                return Ok(());
             }
         }
-        Ok(())
+        self.violation("calls and waits never settled".into())
     }
 
     fn new_stream(&mut self) -> Result<(), String> {
@@ -518,6 +562,14 @@ impl World {
         self.commands()
     }
 
+    fn tick(&mut self) -> Result<(), String> {
+        self.trace.push("tick".into());
+        self.callback = Callback::Root;
+        self.scope = Scope::Any;
+        self.coord.on_tick(&self.clock);
+        self.commands()
+    }
+
     fn queue_ready(&mut self) -> Result<(), String> {
         self.trace.push("queue ready".into());
         self.queued_wakes = 0;
@@ -639,7 +691,12 @@ impl World {
                 self.tally.cache_hits += 1;
             }
             Command::Count(Metric::StoreSkipped) => self.tally.skipped_begins += 1,
-            Command::Count(_) | Command::Latency { .. } => {}
+            Command::Add { metric: Metric::HandBackDropped, n } => self.tally.hand_backs_dropped += n as u32,
+            Command::Count(Metric::LocalLocks) => self.tally.local_locks += 1,
+            Command::Count(Metric::LocalReplays) => self.tally.local_replays += 1,
+            Command::Count(Metric::HandedBack) => self.tally.handed_back += 1,
+            Command::Tick { period_ms } => self.tick_ms = period_ms,
+            Command::Count(_) | Command::Add { .. } | Command::LocalRecords(_) | Command::Latency { .. } => {}
             Command::Wake => {
                 if self.callback == Callback::Root {
                     return self.violation("a wake-up asked from a root callback".into());
@@ -785,6 +842,10 @@ impl World {
     }
 
     fn note_lock_end(&mut self, commit: bool, key: &str, token: &str, answered: bool) -> Result<(), String> {
+        if commit && token == "handback" {
+            // A local record handed back: it ends no lock of the store's.
+            return Ok(());
+        }
         match self.granted.get_mut(token) {
             Some(g) if g.key == key && !g.ends.iter().any(|&(_, answered)| answered) => {
                 g.ends.push((commit, answered));

@@ -2,14 +2,26 @@ use std::cell::Cell;
 
 use super::*;
 use crate::coordinator_sim::{Rng, Tally, World};
+use crate::local::{MemoryData, SharedData};
 use crate::sim::MockView;
 use idem_protocol as proto;
 
-struct TestClock(Cell<u64>);
+/// The clock the test sets, and shared data in memory.
+struct TestClock(Cell<u64>, MemoryData);
 
 impl Clock for TestClock {
     fn now_us(&self) -> Option<u64> {
         Some(self.0.get())
+    }
+}
+
+impl SharedData for TestClock {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.1.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+        self.1.set(key, value, cas)
     }
 }
 
@@ -87,7 +99,7 @@ fn responses(commands: &[Command]) -> Vec<(u32, u32)> {
 
 #[test]
 fn a_stream_callback_asks_for_one_wake_up_and_the_root_dispatches() {
-    let clock = TestClock(Cell::new(T0));
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
     let mut c = coordinator("");
     let (stepped, commands) = request(&mut c, 2, &view("k1", "a"), &clock);
     assert_eq!(stepped, Stepped { action: Action::Pause, done: false });
@@ -117,7 +129,7 @@ fn a_stream_callback_asks_for_one_wake_up_and_the_root_dispatches() {
 
 #[test]
 fn a_commit_goes_out_after_the_response_and_is_counted() {
-    let clock = TestClock(Cell::new(T0));
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
     let mut c = coordinator("");
     let v = view("k1", "a");
     request(&mut c, 2, &v, &clock);
@@ -143,7 +155,7 @@ fn a_commit_goes_out_after_the_response_and_is_counted() {
 
 #[test]
 fn a_lock_granted_to_a_stream_that_ended_is_released_and_nothing_answers_it() {
-    let clock = TestClock(Cell::new(T0));
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
     let mut c = coordinator("");
     request(&mut c, 2, &view("k1", "a"), &clock);
     let mut token = 0;
@@ -168,7 +180,7 @@ fn a_lock_granted_to_a_stream_that_ended_is_released_and_nothing_answers_it() {
 #[test]
 fn a_callout_that_cannot_leave_fails_the_request_as_configured() {
     for (extra, expect_resume) in [("", true), (r#","failure_mode":"closed""#, false)] {
-        let clock = TestClock(Cell::new(T0));
+        let clock = TestClock(Cell::new(T0), MemoryData::default());
         // Not dispatched.
         let mut c = coordinator(extra);
         request(&mut c, 2, &view("k1", "a"), &clock);
@@ -196,7 +208,7 @@ fn a_callout_that_cannot_leave_fails_the_request_as_configured() {
 
 #[test]
 fn a_failed_commit_is_tried_again_then_its_lock_released() {
-    let clock = TestClock(Cell::new(T0));
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
     let mut c = coordinator("");
     let mut v = view("k1", "a");
     request(&mut c, 2, &v, &clock);
@@ -230,7 +242,7 @@ fn a_failed_commit_is_tried_again_then_its_lock_released() {
 
 #[test]
 fn a_replayed_record_is_cached_until_the_store_would_drop_it() {
-    let clock = TestClock(Cell::new(T0));
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
     let mut c = coordinator("");
     let mut token = 0;
     // The first request runs; its record is what the store would hand back.
@@ -271,7 +283,7 @@ fn a_replayed_record_is_cached_until_the_store_would_drop_it() {
 
 #[test]
 fn answers_to_unknown_callouts_change_nothing() {
-    let clock = TestClock(Cell::new(T0));
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
     let mut c = coordinator("");
     request(&mut c, 2, &view("k1", "a"), &clock);
     c.on_callout_answer(77, answer("locked", &[(proto::HEADER_TOKEN, "tok")]), vec![], &clock);
@@ -282,7 +294,7 @@ fn answers_to_unknown_callouts_change_nothing() {
 
 #[test]
 fn a_local_answer_keeps_the_content_type_envoy_would_change() {
-    let clock = TestClock(Cell::new(T0));
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
     let mut c = coordinator("");
     let mut token = 0;
     request(&mut c, 2, &view("k1", "a"), &clock);
@@ -308,7 +320,7 @@ fn a_local_answer_keeps_the_content_type_envoy_would_change() {
 
 #[test]
 fn after_store_failures_begins_skip_the_store_until_one_probe_answers() {
-    let clock = TestClock(Cell::new(T0));
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
     let mut c = coordinator(r#","breaker_failures":2,"breaker_open_ms":1000"#);
     let mut token = 0;
     for id in [2, 3] {
@@ -355,6 +367,57 @@ fn after_store_failures_begins_skip_the_store_until_one_probe_answers() {
     assert_eq!(responses(&drain(&mut c)), vec![(2, 503)]);
     let (_, commands) = request(&mut c, 3, &view("k2", "a"), &clock);
     assert_eq!(responses(&commands), vec![(3, 503)]);
+}
+
+#[test]
+fn while_the_store_fails_duplicates_wait_for_the_local_lock_and_replay() {
+    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let mut c = coordinator(r#","local_record_entries":256,"breaker_open_ms":0"#);
+    c.set_up(&clock, 5);
+    drain(&mut c);
+    let mut token = 0;
+    let mut v = view("k1", "a");
+    for id in [2, 3] {
+        request(&mut c, id, &v, &clock);
+    }
+    // Both begins fail at once (reset): the first takes the local lock, the second waits.
+    let sent = dispatch_all(&mut c, &clock, &mut token);
+    c.on_callout_answer(sent[0].0, vec![], vec![], &clock);
+    let commands = drain(&mut c);
+    assert!(commands.contains(&Command::Resume { stream: 2 }), "{commands:?}");
+    assert!(commands.contains(&Command::Count(Metric::LocalLocks)));
+    assert!(!commands.contains(&Command::Count(Metric::Executed)), "not under the store's lock");
+    c.on_callout_answer(sent[1].0, vec![], vec![], &clock);
+    let commands = drain(&mut c);
+    assert!(commands.contains(&Command::Tick { period_ms: 20 }) && responses(&commands).is_empty());
+    // The first answers: its record stays local (no store call), the waiter replays it.
+    v.resp(":status", "201");
+    v.response_chunk = b"made".to_vec();
+    c.on_stream_event(2, &v, &clock, |s, v| s.on_response_headers(v, false));
+    c.on_stream_event(2, &v, &clock, |s, v| s.on_response_body(v, 4, true));
+    let commands = drain(&mut c);
+    assert!(!commands.contains(&Command::Wake), "{commands:?}");
+    clock.0.set(T0 + 20_000);
+    c.on_tick(&clock);
+    let commands = drain(&mut c);
+    assert_eq!(responses(&commands), vec![(3, 201)]);
+    assert!(commands.contains(&Command::Count(Metric::LocalReplays)));
+    // The same tick offers the record back to the store, which still fails: offered again.
+    let hand_back = dispatches(&commands);
+    assert_eq!(hand_back.len(), 1);
+    c.on_dispatched(hand_back[0].job, Some(98), &clock);
+    c.on_callout_answer(98, vec![], vec![], &clock);
+    assert!(!drain(&mut c).contains(&Command::Count(Metric::HandedBack)));
+    // Once the store answers again, the record is handed back to it (after a back-off).
+    clock.0.set(T0 + 2_100_000);
+    c.on_tick(&clock);
+    let hand_back = dispatches(&drain(&mut c));
+    assert_eq!(hand_back.len(), 1);
+    assert_eq!(path(&hand_back[0]), proto::PATH_COMMIT);
+    assert_eq!(header(&hand_back[0], proto::HEADER_TOKEN), "handback");
+    c.on_dispatched(hand_back[0].job, Some(99), &clock);
+    c.on_callout_answer(99, answer("late", &[]), vec![], &clock);
+    assert!(drain(&mut c).contains(&Command::Count(Metric::HandedBack)));
 }
 
 /// Random interleavings of many streams, store answers and faults, wake-ups, stream ends and

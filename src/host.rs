@@ -15,8 +15,9 @@ use std::time::Duration;
 
 use crate::config::Config;
 use crate::coordinator::{Clock, Command, Coordinator, Stepped};
+use crate::local::SharedData;
 use crate::machine::{Action, Step, Stream, StreamView};
-use crate::metrics::{Metric, OUTCOME_PROPERTY, STORE_LATENCY};
+use crate::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -31,16 +32,31 @@ struct Vm {
     metrics: Vec<u32>,
     /// Histogram ids, in the order of [`STORE_LATENCY`].
     latency: Vec<u32>,
+    /// The gauge [`LOCAL_RECORDS`].
+    local_records: u32,
     coordinator: RefCell<Coordinator>,
 }
 
-struct HostClock;
+struct HostEnv;
 
-impl Clock for HostClock {
+impl Clock for HostEnv {
     fn now_us(&self) -> Option<u64> {
         let t = hostcalls::get_current_time().ok()?;
         let us = t.duration_since(std::time::UNIX_EPOCH).ok()?.as_micros();
         u64::try_from(us).ok()
+    }
+}
+
+impl SharedData for HostEnv {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(value), Some(cas))) => Some((value, cas)),
+            _ => None,
+        }
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+        hostcalls::set_shared_data(key, Some(value), Some(cas)).is_ok()
     }
 }
 
@@ -59,6 +75,12 @@ impl Vm {
     fn report(&self, event: impl FnOnce(&mut Coordinator)) {
         if let Ok(mut c) = self.coordinator.try_borrow_mut() {
             event(&mut c);
+        }
+    }
+
+    fn add(&self, metric: Metric, n: u64) {
+        if let Some(&id) = self.metrics.get(metric.index()) {
+            let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 
@@ -96,10 +118,13 @@ impl Vm {
                     log::debug!("cannot set {OUTCOME_PROPERTY}: {s:?}");
                 }
             }
-            Command::Count(m) => {
-                if let Some(&id) = self.metrics.get(m.index()) {
-                    let _ = hostcalls::increment_metric(id, 1);
-                }
+            Command::Count(m) => self.add(m, 1),
+            Command::Add { metric, n } => self.add(metric, n),
+            Command::LocalRecords(n) => {
+                let _ = hostcalls::record_metric(self.local_records, n);
+            }
+            Command::Tick { period_ms } => {
+                let _ = hostcalls::set_tick_period(Duration::from_millis(period_ms));
             }
             Command::Latency { kind, micros } => {
                 let id = STORE_LATENCY.iter().position(|(k, _)| *k == kind).and_then(|i| self.latency.get(i));
@@ -110,7 +135,7 @@ impl Vm {
             Command::Wake => {
                 if let Err(s) = hostcalls::enqueue_shared_queue(self.queue, Some(b"1")) {
                     log::error!("cannot wake the root context: {s:?}");
-                    self.report(|c| c.on_wake_failed(&HostClock));
+                    self.report(|c| c.on_wake_failed(&HostEnv));
                 }
             }
             Command::Dispatch(d) => {
@@ -131,7 +156,7 @@ impl Vm {
                         None
                     }
                 };
-                self.report(|c| c.on_dispatched(d.job, token, &HostClock));
+                self.report(|c| c.on_dispatched(d.job, token, &HostEnv));
             }
         }
     }
@@ -157,13 +182,16 @@ impl Root {
             .iter()
             .map(|(_, name)| define(MetricType::Histogram, name))
             .collect::<Result<_, _>>()?;
+        let local_records = define(MetricType::Gauge, LOCAL_RECORDS)?;
         // Queue names are per VM id, and every worker runs this root: a random name keeps each
         // worker's wake-ups on its own thread, where its streams live.
         let name = format!("idempotency-outbox-{:016x}", random_u64(self.id));
         let queue = hostcalls::register_shared_queue(&name)
             .map_err(|s| format!("cannot register shared queue: {s:?}"))?;
         let coordinator = RefCell::new(Coordinator::new(Rc::new(cfg)));
-        Ok(Vm { root_id: self.id, queue, metrics, latency, coordinator })
+        let vm = Vm { root_id: self.id, queue, metrics, latency, local_records, coordinator };
+        vm.run(|c| c.set_up(&HostEnv, random_u64(self.id)));
+        Ok(vm)
     }
 }
 
@@ -171,7 +199,7 @@ fn random_u64(seed: u32) -> u64 {
     // std's RandomState draws its keys from WASI `random_get`, which Envoy implements.
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(seed);
-    h.write_u64(HostClock.now_us().unwrap_or(0));
+    h.write_u64(HostEnv.now_us().unwrap_or(0));
     h.finish()
 }
 
@@ -187,7 +215,7 @@ impl Context for Root {
         } else {
             Vec::new()
         };
-        vm.run(|c| c.on_callout_answer(token, headers, body, &HostClock));
+        vm.run(|c| c.on_callout_answer(token, headers, body, &HostEnv));
     }
 }
 
@@ -212,10 +240,16 @@ impl RootContext for Root {
         }
     }
 
+    fn on_tick(&mut self) {
+        if let Some(vm) = &self.vm {
+            vm.run(|c| c.on_tick(&HostEnv));
+        }
+    }
+
     fn on_queue_ready(&mut self, queue_id: u32) {
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
         if let Some(vm) = &self.vm {
-            vm.run(|c| c.on_queue_ready(&HostClock));
+            vm.run(|c| c.on_queue_ready(&HostEnv));
         }
     }
 
@@ -243,8 +277,7 @@ impl HttpStream {
         let Some(vm) = &self.vm else { return HostAction::Continue };
         let view = HostView::default();
         let id = self.id;
-        let Some(Stepped { action, done }) = vm.run(|c| c.on_stream_event(id, &view, &HostClock, event))
-        else {
+        let Some(Stepped { action, done }) = vm.run(|c| c.on_stream_event(id, &view, &HostEnv, event)) else {
             return HostAction::Continue;
         };
         self.passive = done;
@@ -259,7 +292,7 @@ impl Context for HttpStream {
     fn on_done(&mut self) -> bool {
         if let Some(vm) = &self.vm {
             let id = self.id;
-            vm.run(|c| c.on_stream_done(id, &HostClock));
+            vm.run(|c| c.on_stream_done(id, &HostEnv));
         }
         true
     }

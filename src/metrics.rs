@@ -44,10 +44,18 @@ pub enum Metric {
     /// A `begin` not sent because the store failed recently (the breaker is open): the request
     /// fails open or closed at once (also counted as `degraded`).
     StoreSkipped,
+    /// Requests that ran under the local lock while the store failed (also `degraded`).
+    LocalLocks,
+    /// Answers replayed from a local record (also `replayed`).
+    LocalReplays,
+    /// Local records the store took once it answered again.
+    HandedBack,
+    /// Local records pushed out by the bounds before they were handed back.
+    HandBackDropped,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 17] = [
+    pub const ALL: [Metric; 21] = [
         Metric::Guarded,
         Metric::Replayed,
         Metric::Executed,
@@ -65,6 +73,10 @@ impl Metric {
         Metric::CommittedAfterGone,
         Metric::CacheHits,
         Metric::StoreSkipped,
+        Metric::LocalLocks,
+        Metric::LocalReplays,
+        Metric::HandedBack,
+        Metric::HandBackDropped,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +98,10 @@ impl Metric {
             Metric::CommittedAfterGone => "idempotency.committed_after_gone",
             Metric::CacheHits => "idempotency.cache_hits",
             Metric::StoreSkipped => "idempotency.store_skipped",
+            Metric::LocalLocks => "idempotency.local_locks",
+            Metric::LocalReplays => "idempotency.local_replays",
+            Metric::HandedBack => "idempotency.handed_back",
+            Metric::HandBackDropped => "idempotency.handback_dropped",
         }
     }
 
@@ -109,7 +125,11 @@ impl Metric {
             | Metric::StoreErrors
             | Metric::CommittedAfterGone
             | Metric::CacheHits
-            | Metric::StoreSkipped => None,
+            | Metric::StoreSkipped
+            | Metric::LocalLocks
+            | Metric::LocalReplays
+            | Metric::HandedBack
+            | Metric::HandBackDropped => None,
         }
     }
 
@@ -129,6 +149,9 @@ pub const STORE_LATENCY: [(CallKind, &str); 3] = [
 ];
 
 pub const OUTCOME_PROPERTY: &str = "idempotency_outcome";
+
+/// Gauge: the local records the process keeps (the local fallback), as last counted.
+pub const LOCAL_RECORDS: &str = "idempotency.local_records";
 
 #[cfg(test)]
 mod tests {

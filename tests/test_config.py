@@ -62,6 +62,9 @@ INVALID = {
     "breaker_failures_zero": ({"store_cluster": "idemstore", "breaker_failures": 0}, ["breaker_failures", "1 to 1000"]),
     "breaker_open_ms_too_long": ({"store_cluster": "idemstore", "breaker_open_ms": 60001},
                                  ["breaker_open_ms", "0 to 60000"]),
+    "local_fallback_not_bool": ({"store_cluster": "idemstore", "local_fallback": "yes"}, ["local_fallback"]),
+    "local_record_entries_too_many": ({"store_cluster": "idemstore", "local_record_entries": 1000001},
+                                      ["local_record_entries", "0 to 1000000"]),
     "record_cache_bytes_negative": ({"store_cluster": "idemstore", "record_cache_bytes": -1},
                                     ["record_cache_bytes"]),
     # Inbox mode (issue 9).

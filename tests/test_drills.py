@@ -19,6 +19,13 @@ case, with one more effect: a lock taken but never answered or released makes th
 retries wait and get 409 until lock_ttl_ms. The Redis Cluster drill allows for it; here the
 point is exact accounting.)
 
+With the local fallback (on by default, issue 16) an execution in the outage runs under the
+Envoy's local lock, its duplicates replay it, and its record is handed back to the store after:
+that execution then counts as the stored (guarded) one, so `degraded` (every execution without
+the store's lock) is at least the unguarded count and at most that plus `handed_back`. The
+per-call drills (slow store, garbage, no healthy endpoint) turn the fallback off: they are about
+each call failing open.
+
 Figures (degraded requests, recovery times, hold times) go to the `note` fixture, for the
 README's "When things fail" section.
 """
@@ -435,8 +442,11 @@ def classify(load: Load, probes: dict[tuple[str, str], Probe], closed: tuple[str
         if s.listener in closed and s.status == 503 and s.problem == STORE_UNAVAILABLE:
             v.refused.append(s)
         elif s.status == 201 and s.replay:
-            if p.kind == "record" and s.body_id != p.record_id:
-                v.bad.append(f"replay of another execution than the stored one: {s.short()}")
+            # The stored execution's answer, or (the local fallback, in the outage) the answer of
+            # the execution this Envoy ran under its local lock: never one of no execution.
+            ids = {x.exec_id for x in by_key[(s.listener, s.key)] if x.exec_id}
+            if p.kind == "record" and s.body_id != p.record_id and s.body_id not in ids:
+                v.bad.append(f"replay of no execution of this key: {s.short()}")
             v.guarded.append(s)
         elif s.status == 201 and s.exec_id:
             if p.kind == "record" and p.record_id == s.exec_id:
@@ -702,9 +712,12 @@ def test_drill_redis_stopped_and_restarted(shipped, note):
     assert all(x.status == 201 for x in load.sent)
     assert v.unguarded, "the outage did not degrade any request"
     # The exact count, and the rest of the accounting.
-    assert d["degraded"] == len(v.unguarded), (d, len(v.unguarded))
+    # Every execution without the store's lock is counted; those that ran under the local lock
+    # and whose record was handed back to the store (the first to reach it) count as guarded.
+    assert len(v.unguarded) <= d["degraded"] <= len(v.unguarded) + d["handed_back"], (d, len(v.unguarded))
     # Each unguarded request either saw its begin fail or skipped the store (the breaker open).
-    assert d["store_errors"] + d["store_skipped"] == len(v.unguarded), d
+    # (or was answered from the local fallback: replayed, or ran under its lock, on `degraded`).
+    assert d["store_errors"] + d["store_skipped"] == d["degraded"] + d["local_replays"], d
     assert d["commit_failed"] == 0 and d["unavailable"] == 0 and d["conflicted"] == 0, d
     executions = [x for x in load.sent if x.exec_id]
     assert d["executed"] + d["degraded"] == len(executions), (d, len(executions))
@@ -712,12 +725,19 @@ def test_drill_redis_stopped_and_restarted(shipped, note):
     # Nothing degraded before the stop; all of the outage did.
     assert all(v.is_guarded(x) for x in load.sent if x.t1 <= t_stop)
     in_outage = [x for x in load.sent if x.t0 >= t_down and x.t1 <= t_spawned]
-    assert in_outage and all(not v.is_guarded(x) or x.replay for x in in_outage)
+    # In the outage: replays, or executions counted on `degraded` (under the local lock, or
+    # unguarded); an execution whose local record was handed back is the stored one after.
+    assert in_outage and all(x.replay or x.exec_id or x.status == 503 for x in in_outage)
+    assert sum(1 for x in in_outage if x.exec_id) <= d["degraded"], d
     # The only guarded answers while the store is down: replays of records a VM had cached
     # (`record_cache_entries`), each counted on cache_hits.
-    assert sum(1 for x in in_outage if v.is_guarded(x)) <= d["cache_hits"], d
+    # Or replays of what this Envoy ran under its local lock in the outage.
+    assert sum(1 for x in in_outage if x.replay) <= d["cache_hits"] + d["local_replays"], d
     # The guarantee comes back, within a bound, and stays.
-    back = next((x for x in load.sent if x.t0 >= t_spawned and v.is_guarded(x)), None)
+    # The first guarded request after which every one is (an execution under a local lock in
+    # the outage's tail can count as guarded too, once its record is handed back).
+    tail = max((x.t0 for x in load.sent if x.t0 >= t_spawned and not v.is_guarded(x)), default=t_spawned)
+    back = next((x for x in load.sent if x.t0 >= tail and v.is_guarded(x)), None)
     assert back is not None, "no request was guarded again after the restart"
     after_back = [x for x in load.sent if x.t0 >= back.t0]
     assert all(v.is_guarded(x) for x in after_back), [x.short() for x in after_back if not v.is_guarded(x)][:5]
@@ -736,8 +756,9 @@ def test_drill_redis_stopped_and_restarted(shipped, note):
     note(f"drill redis stopped/restarted (shipped envoy.yaml + redis.conf): {len(load.sent)} requests "
          f"in {load.sent[-1].t1 - load.t0:.1f}s ({len(probes)} keys, {sum(x.retry for x in load.sent)} retries); "
          f"Redis down {t_ready - t_down:.2f}s (stop->PING)")
-    note(f"  degraded {d['degraded']} = ran unguarded {len(v.unguarded)} (of them retries of stored keys, run "
-         f"twice: {sum(1 for x in v.unguarded if x.retry and probes[('main', x.key)].kind == 'record')}); "
+    note(f"  degraded {d['degraded']} (ran under the local lock {d['local_locks']}, local replays "
+         f"{d['local_replays']}, handed back {d['handed_back']}); ran twice (a key stored before the outage): "
+         f"{sum(1 for x in v.unguarded if x.retry and probes[('main', x.key)].kind == 'record')}; "
          f"store calls failed at once by Envoy with no healthy host: {none_healthy}")
     note(f"  first degraded {ms(v.unguarded[0].t0 - t_down)} after the stop; Envoy marked idemstore "
          f"failed_active_hc {ms(marked - t_down if marked else None)} after; fail-open hold p50 "
@@ -987,19 +1008,28 @@ def test_drill_idemstore_killed_and_restarted(kill_stack, upstream, note):
     assert all(x.status == 201 for x in opened)
     assert all(x.status in (201, 503) for x in closed)
     assert v.unguarded and v.refused, (len(v.unguarded), len(v.refused))
-    assert d["degraded"] == len(v.unguarded) + len(v.refused), (d, len(v.unguarded), len(v.refused))
+    # (As in the Redis drill: local executions whose record was handed back count as guarded.)
+    n = len(v.unguarded) + len(v.refused)
+    assert n <= d["degraded"] <= n + d["handed_back"], (d, len(v.unguarded), len(v.refused))
     assert d["unavailable"] == len(v.refused), d
-    assert d["store_errors"] + d["store_skipped"] == d["degraded"], d
+    assert d["store_errors"] + d["store_skipped"] == d["degraded"] + d["local_replays"], d
     assert d["commit_failed"] == 0 and d["conflicted"] == 0, d
-    assert d["executed"] + len(v.unguarded) == sum(1 for x in load.sent if x.exec_id), d
+    assert d["executed"] + d["degraded"] - len(v.refused) == sum(1 for x in load.sent if x.exec_id), d
     assert all(v.is_guarded(x) for x in load.sent if x.t1 <= t_kill)
     in_outage = [x for x in load.sent if x.t0 >= t_down and x.t1 <= t_spawned]
-    assert in_outage and all(not v.is_guarded(x) or x.replay for x in in_outage)
+    # In the outage: replays, or executions counted on `degraded` (under the local lock, or
+    # unguarded); an execution whose local record was handed back is the stored one after.
+    assert in_outage and all(x.replay or x.exec_id or x.status == 503 for x in in_outage)
+    assert sum(1 for x in in_outage if x.exec_id) <= d["degraded"], d
     # The only guarded answers while the store is down: replays of records a VM had cached
     # (`record_cache_entries`), each counted on cache_hits.
-    assert sum(1 for x in in_outage if v.is_guarded(x)) <= d["cache_hits"], d
+    # Or replays of what this Envoy ran under its local lock in the outage.
+    assert sum(1 for x in in_outage if x.replay) <= d["cache_hits"] + d["local_replays"], d
     assert {x.listener for x in in_outage} == {"default", "closed"}
-    back = next((x for x in load.sent if x.t0 >= t_spawned and v.is_guarded(x)), None)
+    # The first guarded request after which every one is (an execution under a local lock in
+    # the outage's tail can count as guarded too, once its record is handed back).
+    tail = max((x.t0 for x in load.sent if x.t0 >= t_spawned and not v.is_guarded(x)), default=t_spawned)
+    back = next((x for x in load.sent if x.t0 >= tail and v.is_guarded(x)), None)
     assert back is not None
     assert all(v.is_guarded(x) for x in load.sent if x.t0 >= back.t0)
     recovery = back.t0 - t_ready
@@ -1012,7 +1042,9 @@ def test_drill_idemstore_killed_and_restarted(kill_stack, upstream, note):
     holds = [x.elapsed for x in v.degraded]
     note(f"drill idemstore SIGKILLed/restarted (h2c store cluster with the shipped health check): {len(load.sent)} "
          f"requests in {load.sent[-1].t1 - load.t0:.1f}s, idemstore down {t_ready - t_down:.2f}s (kill->healthz 200)")
-    note(f"  open: degraded (ran unguarded) {len(v.unguarded)} of {len(opened)}; closed: 503 store-unavailable "
+    note(f"  open: degraded {d['degraded'] - len(v.refused)} of {len(opened)} (local lock {d['local_locks']}, local "
+         f"replays {d['local_replays']}, handed back {d['handed_back']}, not stored {len(v.unguarded)}); "
+         f"closed: 503 store-unavailable "
          f"{len(v.refused)} of {len(closed)}, 0 executed; degraded counter {d['degraded']}, unavailable "
          f"{d['unavailable']}; hold p50 {ms(pct(holds, 0.5))} max {ms(max(holds))}")
     note(f"  Envoy marked idemstore failed_active_hc {ms(marked - t_down if marked else None)} after the kill; "
@@ -1039,7 +1071,8 @@ def test_drill_slow_store_is_bounded(run_dir, artifacts, upstream, note):
     try:
         double.mode(answer="proxy", delay_ms=1500)
         # Per call: the breaker off (test_breaker.py has the drill with it on).
-        cfg = {"store_timeout_ms": SLOW_TIMEOUT_MS, "lock_wait_ms": SLOW_WAIT_MS, "breaker_open_ms": 0}
+        cfg = {"store_timeout_ms": SLOW_TIMEOUT_MS, "lock_wait_ms": SLOW_WAIT_MS, "breaker_open_ms": 0,
+               "local_fallback": False}
         envoy = drill_envoy(sub, "envoy", {"slow": cfg},
                             upstream.port, artifacts["wasm"], store_cluster=http1_cluster("idemstore", double.port))
         before = envoy.counters()
@@ -1099,7 +1132,8 @@ def test_drill_garbage_store_fails_open(run_dir, artifacts, upstream, note):
     double = StoreDouble(sub, target=real_port)
     envoy = None
     try:
-        envoy = drill_envoy(sub, "envoy", {"garbage": {}}, upstream.port, artifacts["wasm"],
+        # Per call, each answer decoded and failed open: the local fallback off.
+        envoy = drill_envoy(sub, "envoy", {"garbage": {"local_fallback": False}}, upstream.port, artifacts["wasm"],
                             store_cluster=http1_cluster("idemstore", double.port))
         # One guarded request first, so the VM has run every path once.
         warm = h.new_key("garbage-warm")
@@ -1222,7 +1256,8 @@ def test_drill_no_healthy_store_endpoint(run_dir, artifacts, upstream, note):
         clusters = [nohosts, refused, unhealthy, panic, blackhole]
         names = ["nohosts", "refused", "unhealthy", "unhealthy_panic", "blackhole"]
         # Per call: the breaker off (test_breaker.py has the blackhole with it on).
-        cfg = {"store_timeout_ms": NH_TIMEOUT_MS, "lock_wait_ms": NH_WAIT_MS, "breaker_open_ms": 0}
+        cfg = {"store_timeout_ms": NH_TIMEOUT_MS, "lock_wait_ms": NH_WAIT_MS, "breaker_open_ms": 0,
+               "local_fallback": False}
         envoy = drill_envoy(sub, "envoy", {n: {**cfg, "store_cluster": f"store_{n}"} for n in names}, upstream.port,
                             artifacts["wasm"], extra_clusters=clusters)
         h.wait_for(lambda: host_failed_hc(envoy, "store_unhealthy") and host_failed_hc(envoy, "store_unhealthy_panic"),

@@ -28,7 +28,8 @@ ACCESS_LOG_FORMAT = {
 # Every counter and histogram the README documents, by its Prometheus name.
 COUNTERS = ["guarded", "replayed", "executed", "stored", "mismatched", "conflicted", "rejected", "degraded",
             "unavailable", "passthrough", "released", "commit_failed", "store_errors", "detached",
-            "committed_after_gone", "cache_hits", "store_skipped"]
+            "committed_after_gone", "cache_hits", "store_skipped", "local_locks", "local_replays", "handed_back",
+            "handback_dropped"]
 HISTOGRAMS = ["store_us_begin", "store_us_commit", "store_us_release"]
 
 

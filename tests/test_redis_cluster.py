@@ -72,7 +72,7 @@ def locks_left(cluster: rc.RedisCluster, store_keys) -> list[str]:
     return left
 
 
-def wait_settled(rs, names=("stored", "commit_failed", "released"), quiet: float = 0.5,
+def wait_settled(rs, names=("stored", "commit_failed", "released", "handed_back"), quiet: float = 0.5,
                  timeout: float = 10.0) -> dict[str, int]:
     """Commits land after the responses: until the summed counters stop moving for `quiet` s."""
     deadline = time.monotonic() + timeout
@@ -307,7 +307,10 @@ def test_cluster_master_killed_under_load(replica_set, upstream, run_dir, note, 
     # Every request: a 2xx execution, or a replay byte-identical to one of its key's executions.
     # The one exception allowed: a 409 problem for a key locked before the failover whose
     # commit and release both failed in the outage (the lock lives on until its TTL, 30 s, and
-    # no record was stored), so a duplicate waited and was told to retry.
+    # no record was stored, unless one of the key's executions under an Envoy's local lock in
+    # the outage was handed back to the store later), so a duplicate waited and was told to
+    # retry.
+    ran_locally = delta.get("local_locks", 0) > 0
     first_start = {key: min(r.start for r in replies) for key, replies in by_key.items()}
     failures, conflicts = [], []
     executed_answers = 0
@@ -319,14 +322,17 @@ def test_cluster_master_killed_under_load(replica_set, upstream, run_dir, note, 
             if r.error is not None or r.status >= 500:
                 failures.append(f"{key}: {r!r}")
             elif (r.status == 409 and outage_slot(skeys.get(key, "")) and first_start[key] < failed_over
-                  and skeys.get(key) not in recorded):
+                  and (skeys.get(key) not in recorded or ran_locally)):
                 assert_problem(h.Response(r.status, r.headers, r.body), 409, key)
                 conflicts.append(r)
             elif r.header(burst.REPLAY) is not None:
                 if not any(burst.not_replay_of(r, o) is None for o in originals):
                     failures.append(f"{key}: replay of no execution of this key: {r!r}")
             elif not (200 <= r.status < 300):
-                failures.append(f"{key}: {r!r}")
+                failures.append(f"{key} {skeys.get(key, '')[:12]} (slot in outage {outage_slot(skeys.get(key, ''))}, started "
+                                f"{first_start[key] - failed_over:+.2f}s from the failover, recorded "
+                                f"{skeys.get(key) in recorded}, executions {len([e for e in execs if e['key'] == key])}): "
+                                f"{r.status} after {(r.done - r.start) * 1000:.0f} ms, started {r.start - failed_over:+.2f}s")
     assert not failures, f"{len(failures)} bad answers of {requests}:\n" + "\n".join(failures[:20])
     assert executed_answers == len(execs), (executed_answers, len(execs))
 
@@ -363,15 +369,19 @@ def test_cluster_master_killed_under_load(replica_set, upstream, run_dir, note, 
             if full_coverage == "no" or not (killed < at < failed_over + 0.5):
                 survivors_bad.append(f"{key}: {len(per_key_execs[key])} executions, recorded "
                                      f"{sk in recorded}, one unguarded {at - killed:+.2f}s after the kill")
-    assert not survivors_bad, ("keys on surviving masters lost the guarantee:\n"
+    assert not survivors_bad, (f"keys on surviving masters lost the guarantee ({delta}):\n"
                                + "\n".join(survivors_bad[:20]))
     assert unguarded["victim"] > 0, unguarded
     # Guarded executions whose record is gone: their commit failed (counted), or it reached the
     # master but not its replica before the kill (asynchronous replication: only requests
     # answered around the kill can be among those).
+    # Executions under the local lock (counted on `degraded`) whose record was handed back and
+    # stored first count as guarded: at most `handed_back` of them, so `lost` is known within
+    # that much.
     lost = unguarded["victim"] + unguarded["survivors"] - delta["degraded"]
     around_kill = sum(1 for r in load.replies if r.start <= killed + 0.05 and r.done >= killed - 0.05)
-    assert 0 <= lost <= around_kill + delta["commit_failed"], (lost, around_kill, unguarded, delta)
+    handed_back = delta.get("handed_back", 0)
+    assert -handed_back <= lost <= around_kill + delta["commit_failed"], (lost, around_kill, unguarded, delta)
 
     # Nothing degraded before the kill; when the last one did, relative to the failover.
     increases = sampler.increases()

@@ -45,9 +45,10 @@ def drill(run_dir, artifacts, upstream, protocol: str) -> dict:
         else:
             cluster = http1_cluster("idemstore", sport)
         # The breaker off: every key's call goes out and reaches the store late (with it on,
-        # most would skip the store; the test below has it on).
+        # most would skip the store; the test below has it on). The local fallback off: the
+        # keys run unguarded, so that their retries show whether the store left a lock.
         cfg = {"store_cluster": "idemstore", "store_timeout_ms": TIMEOUT_MS, "lock_wait_ms": WAIT_MS,
-               "breaker_open_ms": 0}
+               "breaker_open_ms": 0, "local_fallback": False}
 
         def hook(config):
             clusters = config["static_resources"]["clusters"]

@@ -267,7 +267,7 @@ class ReplicaSets:
 # --------------------------------------------------------------------------------------------
 
 COUNTERS = ("executed", "replayed", "stored", "conflicted", "degraded", "store_errors", "commit_failed",
-            "released", "unavailable")
+            "released", "unavailable", "store_skipped", "local_locks", "local_replays", "handed_back")
 
 
 def totals(rs) -> dict[str, int]:
