@@ -23,11 +23,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from support import burst
 from support import harness as h
 from support.checks import REPLAY, assert_executed, assert_problem, assert_replay_of
 
@@ -293,3 +295,51 @@ def test_hand_back_after_recovery_reaches_another_replica(outage_stack, upstream
     assert handed >= 1, f"replica A handed back no record within 10s of the store's return: {a.counters()}"
     assert runs == 1, f"the retry through replica B ran the key again: {other}"
     assert_replay_of(other, first)
+
+
+FLOOD_KEYS = 100_000
+FLOOD_ENTRIES, FLOOD_BYTES = 2048, 1 << 20
+
+
+def allocated(envoy: h.Envoy) -> int:
+    """Envoy's heap in use (the admin's /memory), where shared data lives."""
+    status, body = h.http_get_status(envoy.admin_port, "/memory", timeout=5)
+    assert status == 200, status
+    return int(json.loads(body)["allocated"])
+
+
+def test_a_flood_in_an_outage_stays_within_its_bound(outage_stack, upstream, note):
+    """100,000 unique keys through one Envoy while idemstore is down, with the local records
+    bounded to 2,048 entries and 1 MiB: every request runs once (under the local lock), Envoy's
+    heap grows by about the bound, not by a record per key, the oldest records are the ones
+    pushed out (counted on `handback_dropped`) and the newest still replay."""
+    plugin = {**PLUGIN, "local_record_entries": FLOOD_ENTRIES, "local_record_bytes": FLOOD_BYTES}
+    stack = outage_stack("flood", plugin)
+    envoy = stack.envoys[0]
+    warm_up(envoy)
+    stack.kill_store()
+    before = envoy.counters()
+    heap0 = allocated(envoy)
+    spec = burst.BurstSpec(keys=FLOOD_KEYS, duplicates=1, sleep_ms=(0, 0), keys_in_flight=32, deadline=600,
+                           request_timeout=30)
+    run = burst.run_burst([envoy.port(LISTENER)], spec)
+    heap1 = allocated(envoy)
+    replies = run.all_replies()
+    statuses = Counter(r.status for r in replies)
+    d = counter_delta(envoy, before)
+    assert statuses == {201: FLOOD_KEYS}, statuses
+    assert d.get("local_locks", 0) == FLOOD_KEYS, d
+    growth = heap1 - heap0
+    # Unbounded, the records alone would take well over 30 MB (a ~300-byte answer each).
+    assert growth < FLOOD_BYTES + 8 * (1 << 20), growth
+    assert d.get("handback_dropped", 0) >= FLOOD_KEYS - FLOOD_ENTRIES, d
+    # The oldest went first: the first keys run again, the last ones replay.
+    plans = run.plans
+    newest = [post(envoy, p.key, p.body.decode()) for p in plans[-20:]]
+    oldest = [post(envoy, p.key, p.body.decode()) for p in plans[:20]]
+    assert sum(is_replay(r) for r in newest) >= 18, [r.status for r in newest]
+    assert not any(is_replay(r) for r in oldest), [r.status for r in oldest]
+    note(f"local fallback flood: {FLOOD_KEYS} unique keys in an outage in {run.elapsed:.1f}s "
+         f"({FLOOD_KEYS / run.elapsed:.0f}/s), bound {FLOOD_ENTRIES} entries / {FLOOD_BYTES >> 10} KiB: Envoy heap "
+         f"{heap0 >> 20} -> {heap1 >> 20} MiB (+{growth >> 10} KiB), handback_dropped {d.get('handback_dropped', 0)}, "
+         f"newest 20 replayed {sum(is_replay(r) for r in newest)}, oldest 20 replayed {sum(is_replay(r) for r in oldest)}")
