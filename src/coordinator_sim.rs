@@ -11,6 +11,10 @@
 //!   a stream is answered or resumed at most once, only while it waits, never after it ended;
 //! * nothing is served from the record cache past the record's expiry in the store, or other than
 //!   the record the store holds;
+//! * with the local fallback (store faults, the breaker, deadlines the store answers `expired`):
+//!   replays still carry an execution of the same request, whether this VM ran it under its
+//!   local lock or another replica stored it first (the hand-back then races it), and no local
+//!   lock is left once every stream ended;
 //! * callouts are dispatched only from root callbacks, wake-ups asked only from stream callbacks;
 //! * once every call is answered, no stream waits forever, and once every stream has ended, the
 //!   coordinator holds nothing.
@@ -67,6 +71,7 @@ pub struct Tally {
     pub local_replays: u32,
     pub handed_back: u32,
     pub hand_backs_dropped: u32,
+    pub other_replica_records: u32,
 }
 
 impl Tally {
@@ -91,6 +96,7 @@ impl Tally {
             (&mut self.local_locks, o.local_locks),
             (&mut self.local_replays, o.local_replays),
             (&mut self.handed_back, o.handed_back),
+            (&mut self.other_replica_records, o.other_replica_records),
         ];
         for (sum, n) in pairs {
             *sum += n;
@@ -119,6 +125,7 @@ impl Tally {
             self.local_locks,
             self.local_replays,
             self.handed_back,
+            self.other_replica_records,
         ]
         .iter()
         .all(|&v| v >= n)
@@ -354,6 +361,10 @@ impl World {
                 Some(i) => self.end(i),
                 None => Ok(()),
             },
+            8 if self.rng.chance(20) => {
+                self.other_replica_runs();
+                Ok(())
+            }
             _ => Ok(()),
         }
     }
@@ -638,7 +649,7 @@ impl World {
                 if replay {
                     let expected = format!("of {} {}", s.client_key, s.body);
                     let body = String::from_utf8_lossy(&response.body);
-                    if !body.ends_with(&expected) {
+                    if !body.ends_with(&expected) && !body.ends_with(&format!("{expected} elsewhere")) {
                         return self.violation(format!("stream {stream} ({expected}) replayed {body:?}"));
                     }
                     self.tally.replays += 1;
@@ -811,6 +822,43 @@ impl World {
         self.scope = Scope::Keys(vec![key]);
         self.coord.on_callout_answer(token, headers, body, &self.clock);
         self.commands()
+    }
+
+    /// Another Envoy (no shared data with this one) runs a key some stream here also sends and
+    /// stores its record first, as if its store calls had all worked: this VM's local record of
+    /// the key, if any, then races it back to the store (`exists`), and replays here must carry
+    /// one of the key's executions.
+    fn other_replica_runs(&mut self) {
+        let Some(i) = self.pick(|s| s.store_key.is_some()) else { return };
+        let (key, client_key, body) = {
+            let s = &self.streams[i];
+            (s.store_key.clone().unwrap_or_default(), s.client_key, s.body)
+        };
+        let now = self.clock.0.get();
+        if self.store.get(&key).is_some_and(|st| match st {
+            Stored::Lock { expires_us, .. } | Stored::Record { expires_us, .. } => *expires_us > now,
+        }) {
+            return;
+        }
+        self.executions += 1;
+        self.tally.executions += 1;
+        let print = crate::fingerprint::RequestPrint::of(b"POST", b"/orders?x=1", &[], &|_| vec![]);
+        let record = Record {
+            status: 201,
+            headers: vec![("content-type".into(), "text/plain".into())],
+            body: format!("exec {} of {client_key} {body} elsewhere", self.executions).into_bytes(),
+            body_omitted: false,
+            print: Some(print),
+        };
+        let body_hash =
+            crate::key::hex(&sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(body)));
+        let retention_us = self.cfg.retention_seconds * 1_000_000;
+        self.store.insert(
+            key,
+            Stored::Record { body_hash, bytes: record.encode(), expires_us: now + retention_us },
+        );
+        self.tally.other_replica_records += 1;
+        self.trace.push(format!("another replica stored {client_key} {body}"));
     }
 
     /// The detached call reaches the upstream, which runs it.
