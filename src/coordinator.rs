@@ -648,19 +648,6 @@ impl Coordinator {
         self.apply(job.stream, effects, stream_alive, env);
     }
 
-    /// A `begin` answered without the store (the cache): the machine's effects, counted.
-    fn feed_begin(
-        &mut self,
-        stream: u32,
-        answer: Result<BeginAnswer, CalloutFault>,
-        metric: Option<Metric>,
-    ) -> Vec<Effect> {
-        let Some(entry) = self.streams.get_mut(&stream) else { return vec![] };
-        let mut effects = entry.stream.on_begin_answer(answer);
-        effects.extend(metric.map(Effect::Count));
-        effects
-    }
-
     /// The store could not answer this stream's `begin`: the local fallback's answer, or the
     /// fault. Returns the effects and whether the stream is still there for the client.
     fn begin_unanswered(
@@ -683,10 +670,20 @@ impl Coordinator {
 
     /// Feeds a local answer to its stream (nothing yet if it waits).
     fn local_outcome(&mut self, stream: u32, outcome: Outcome) -> (Vec<Effect>, bool) {
-        let (answer, metrics) = match outcome {
-            Outcome::Wait => return (vec![], true),
-            Outcome::Answer(answer, metrics) => (answer, metrics),
-        };
+        match outcome {
+            Outcome::Wait => (vec![], true),
+            Outcome::Answer(answer, metrics) => self.answer_begin(stream, answer, metrics),
+        }
+    }
+
+    /// Feeds a `begin` answer the store did not give (the cache's, the local fallback's) to its
+    /// stream, counted; returns the effects and whether the stream is still there for the client.
+    fn answer_begin(
+        &mut self,
+        stream: u32,
+        answer: Result<BeginAnswer, CalloutFault>,
+        metrics: Vec<Metric>,
+    ) -> (Vec<Effect>, bool) {
         let Some(entry) = self.streams.get_mut(&stream) else { return (vec![], false) };
         let mut effects = entry.stream.on_begin_answer(answer);
         // `executed` counts what ran holding the store's lock; under the local lock it is
@@ -781,7 +778,8 @@ impl Coordinator {
                         // Answered here (the cache, or the breaker), or sent.
                         if self.streams.contains_key(&stream) {
                             if let Some(answer) = self.cached_begin(key, body_hash, env) {
-                                let effects = self.feed_begin(stream, Ok(answer), Some(Metric::CacheHits));
+                                let (effects, _) =
+                                    self.answer_begin(stream, Ok(answer), vec![Metric::CacheHits]);
                                 self.apply(stream, effects, alive, env);
                                 continue;
                             }

@@ -169,16 +169,23 @@ impl Rng {
     }
 }
 
-/// The simulated clock, and the process's shared data.
-struct SimClock(Cell<u64>, MemoryData);
+/// A simulated host environment: a clock the caller sets (microseconds since the epoch) and the
+/// process's shared data in memory. Also the coordinator's unit tests' host.
+pub struct SimEnv(pub Cell<u64>, pub MemoryData);
 
-impl Clock for SimClock {
+impl SimEnv {
+    pub fn at(now_us: u64) -> SimEnv {
+        SimEnv(Cell::new(now_us), MemoryData::default())
+    }
+}
+
+impl Clock for SimEnv {
     fn now_us(&self) -> Option<u64> {
         Some(self.0.get())
     }
 }
 
-impl SharedData for SimClock {
+impl SharedData for SimEnv {
     fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
         self.1.get(key)
     }
@@ -255,7 +262,7 @@ enum Scope {
 pub struct World {
     coord: Coordinator,
     cfg: Rc<Config>,
-    clock: SimClock,
+    clock: SimEnv,
     rng: Rng,
     streams: Vec<SimStream>,
     max_streams: usize,
@@ -302,7 +309,7 @@ impl World {
         World {
             coord: Coordinator::new(Rc::clone(&cfg)),
             cfg,
-            clock: SimClock(Cell::new(1_700_000_000_000_000), MemoryData::default()),
+            clock: SimEnv::at(1_700_000_000_000_000),
             rng,
             streams: Vec::new(),
             max_streams,
@@ -547,7 +554,7 @@ impl World {
     fn step(
         &mut self,
         i: usize,
-        event: impl FnOnce(&mut Coordinator, &MockView, &SimClock) -> Stepped,
+        event: impl FnOnce(&mut Coordinator, &MockView, &SimEnv) -> Stepped,
     ) -> Result<Option<Stepped>, String> {
         if self.streams[i].passive {
             return Ok(None);

@@ -1,29 +1,7 @@
-use std::cell::Cell;
-
 use super::*;
-use crate::coordinator_sim::{Rng, Tally, World};
-use crate::local::{MemoryData, SharedData};
+use crate::coordinator_sim::{Rng, SimEnv, Tally, World};
 use crate::sim::MockView;
 use idem_protocol as proto;
-
-/// The clock the test sets, and shared data in memory.
-struct TestClock(Cell<u64>, MemoryData);
-
-impl Clock for TestClock {
-    fn now_us(&self) -> Option<u64> {
-        Some(self.0.get())
-    }
-}
-
-impl SharedData for TestClock {
-    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.1.get(key)
-    }
-
-    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
-        self.1.set(key, value, cas)
-    }
-}
 
 const T0: u64 = 1_700_000_000_000_000;
 
@@ -43,7 +21,7 @@ fn view(key: &str, body: &str) -> MockView {
 }
 
 /// Request headers and the whole body: the stream asks for its `begin`.
-fn request(c: &mut Coordinator, id: u32, v: &MockView, clock: &TestClock) -> (Stepped, Vec<Command>) {
+fn request(c: &mut Coordinator, id: u32, v: &MockView, clock: &SimEnv) -> (Stepped, Vec<Command>) {
     let len = v.request_body.len();
     c.on_stream_event(id, v, clock, |s, v| s.on_request_headers(v, false));
     let stepped = c.on_stream_event(id, v, clock, |s, v| s.on_request_body(v, len, true));
@@ -76,7 +54,7 @@ fn answer(outcome: &str, extra: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
 }
 
 /// Wakes the root and dispatches what is queued, every callout given the next token.
-fn dispatch_all(c: &mut Coordinator, clock: &TestClock, next_token: &mut u32) -> Vec<(u32, Dispatch)> {
+fn dispatch_all(c: &mut Coordinator, clock: &SimEnv, next_token: &mut u32) -> Vec<(u32, Dispatch)> {
     c.on_queue_ready(clock);
     let mut sent = Vec::new();
     for d in dispatches(&drain(c)) {
@@ -99,7 +77,7 @@ fn responses(commands: &[Command]) -> Vec<(u32, u32)> {
 
 #[test]
 fn a_stream_callback_asks_for_one_wake_up_and_the_root_dispatches() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator("");
     let (stepped, commands) = request(&mut c, 2, &view("k1", "a"), &clock);
     assert_eq!(stepped, Stepped { action: Action::Pause, done: false });
@@ -129,7 +107,7 @@ fn a_stream_callback_asks_for_one_wake_up_and_the_root_dispatches() {
 
 #[test]
 fn a_commit_goes_out_after_the_response_and_is_counted() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator("");
     let v = view("k1", "a");
     request(&mut c, 2, &v, &clock);
@@ -155,7 +133,7 @@ fn a_commit_goes_out_after_the_response_and_is_counted() {
 
 #[test]
 fn a_lock_granted_to_a_stream_that_ended_is_released_and_nothing_answers_it() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator("");
     request(&mut c, 2, &view("k1", "a"), &clock);
     let mut token = 0;
@@ -180,7 +158,7 @@ fn a_lock_granted_to_a_stream_that_ended_is_released_and_nothing_answers_it() {
 #[test]
 fn a_callout_that_cannot_leave_fails_the_request_as_configured() {
     for (extra, expect_resume) in [("", true), (r#","failure_mode":"closed""#, false)] {
-        let clock = TestClock(Cell::new(T0), MemoryData::default());
+        let clock = SimEnv::at(T0);
         // Not dispatched.
         let mut c = coordinator(extra);
         request(&mut c, 2, &view("k1", "a"), &clock);
@@ -208,7 +186,7 @@ fn a_callout_that_cannot_leave_fails_the_request_as_configured() {
 
 #[test]
 fn a_failed_commit_is_tried_again_then_its_lock_released() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator("");
     let mut v = view("k1", "a");
     request(&mut c, 2, &v, &clock);
@@ -242,7 +220,7 @@ fn a_failed_commit_is_tried_again_then_its_lock_released() {
 
 #[test]
 fn a_replayed_record_is_cached_until_the_store_would_drop_it() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator("");
     let mut token = 0;
     // The first request runs; its record is what the store would hand back.
@@ -283,7 +261,7 @@ fn a_replayed_record_is_cached_until_the_store_would_drop_it() {
 
 #[test]
 fn answers_to_unknown_callouts_change_nothing() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator("");
     request(&mut c, 2, &view("k1", "a"), &clock);
     c.on_callout_answer(77, answer("locked", &[(proto::HEADER_TOKEN, "tok")]), vec![], &clock);
@@ -294,7 +272,7 @@ fn answers_to_unknown_callouts_change_nothing() {
 
 #[test]
 fn a_local_answer_keeps_the_content_type_envoy_would_change() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator("");
     let mut token = 0;
     request(&mut c, 2, &view("k1", "a"), &clock);
@@ -320,7 +298,7 @@ fn a_local_answer_keeps_the_content_type_envoy_would_change() {
 
 #[test]
 fn after_store_failures_begins_skip_the_store_until_one_probe_answers() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator(r#","breaker_failures":2,"breaker_open_ms":1000"#);
     let mut token = 0;
     for id in [2, 3] {
@@ -371,7 +349,7 @@ fn after_store_failures_begins_skip_the_store_until_one_probe_answers() {
 
 #[test]
 fn while_the_store_fails_duplicates_wait_for_the_local_lock_and_replay() {
-    let clock = TestClock(Cell::new(T0), MemoryData::default());
+    let clock = SimEnv::at(T0);
     let mut c = coordinator(r#","local_record_entries":256,"breaker_open_ms":0"#);
     c.set_up(&clock, 5);
     drain(&mut c);
