@@ -1,7 +1,7 @@
 //! The store's circuit breaker, one per VM: after `breaker_failures` store calls in a row time
 //! out, `begin`s skip the store for `breaker_open_ms` (each request fails open or closed at once
 //! instead of waiting out `store_timeout_ms`), then one `begin` goes out as a probe while the
-//! others still skip; any store answer closes the breaker again, a timeout reopens it. So a
+//! others still skip (one more each interval while none has answered); any store answer closes the breaker again, a timeout reopens it. So a
 //! store that hangs costs a VM one timeout per interval, not one per request. Failures that
 //! cost no wait (refused, reset, no healthy host, garbage) are not counted: they fail open at
 //! once already, and skipping would only delay the guarantee's return.
@@ -15,8 +15,9 @@ enum State {
     Closed(u32),
     /// Skipping until this time (milliseconds since the Unix epoch).
     Open(u64),
-    /// One `begin` is out as the probe.
-    Probing,
+    /// A `begin` went out as the probe at this time; another may go one interval later (the
+    /// probe may be a duplicate long-polling for a lock, answering only after its wait).
+    Probing(u64),
 }
 
 /// What to do with a `begin`.
@@ -52,10 +53,14 @@ impl Breaker {
         match (self.state, now_ms) {
             (State::Closed(_), _) | (_, None) => Gate::Call,
             (State::Open(until), Some(now)) if now >= until => {
-                self.state = State::Probing;
+                self.state = State::Probing(now);
                 Gate::Probe
             }
-            (State::Open(_) | State::Probing, Some(_)) => Gate::Skip,
+            (State::Probing(since), Some(now)) if now >= since.saturating_add(self.open_ms) => {
+                self.state = State::Probing(now);
+                Gate::Probe
+            }
+            (State::Open(_) | State::Probing(_), Some(_)) => Gate::Skip,
         }
     }
 
@@ -96,11 +101,12 @@ mod tests {
         assert_eq!(b.gate(Some(1004)), Gate::Skip);
         assert_eq!(b.gate(Some(1005)), Gate::Probe);
         assert_eq!(b.gate(Some(1006)), Gate::Skip, "one probe at a time");
-        b.record(false, Some(1500));
-        assert_eq!(b.gate(Some(2499)), Gate::Skip);
-        assert_eq!(b.gate(Some(2500)), Gate::Probe);
-        b.record(true, Some(2600));
-        assert_eq!(b.gate(Some(2601)), Gate::Call);
+        assert_eq!(b.gate(Some(2005)), Gate::Probe, "another an interval later if it is still out");
+        b.record(false, Some(2500));
+        assert_eq!(b.gate(Some(3499)), Gate::Skip);
+        assert_eq!(b.gate(Some(3500)), Gate::Probe);
+        b.record(true, Some(3600));
+        assert_eq!(b.gate(Some(3601)), Gate::Call);
     }
 
     #[test]

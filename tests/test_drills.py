@@ -714,7 +714,9 @@ def test_drill_redis_stopped_and_restarted(shipped, note):
     # The exact count, and the rest of the accounting.
     # Every execution without the store's lock is counted; those that ran under the local lock
     # and whose record was handed back to the store (the first to reach it) count as guarded.
-    assert len(v.unguarded) <= d["degraded"] <= len(v.unguarded) + d["handed_back"], (d, len(v.unguarded))
+    # (Hand-backs go on while the probes run: counted up to now, as the probes saw them.)
+    handed_back = s.envoy.counter("handed_back") - before.get("handed_back", 0)
+    assert len(v.unguarded) <= d["degraded"] <= len(v.unguarded) + handed_back, (d, len(v.unguarded))
     # Each unguarded request either saw its begin fail or skipped the store (the breaker open).
     # (or was answered from the local fallback: replayed, or ran under its lock, on `degraded`).
     assert d["store_errors"] + d["store_skipped"] == d["degraded"] + d["local_replays"], d
@@ -801,8 +803,9 @@ def test_health_check_marks_idemstore_unhealthy(shipped, note):
     assert all(x.status == 201 and x.exec_id and not x.replay for x in sent), [x.short() for x in sent]
     d = counter_delta(s.envoy.counters(), before)
     assert d["degraded"] == 20 and d["guarded"] == 20 and d["executed"] == 0, d
-    # No healthy host, or (after three in a row on a worker) the breaker skips the call.
-    assert stat(s.envoy, "cluster.idemstore.upstream_cx_none_healthy") - none0 + d["store_skipped"] == 20, d
+    # No healthy host for each of them (or the breaker skipped the call); local records of the
+    # earlier drills offered back to the store meet no healthy host too, hence at least.
+    assert stat(s.envoy, "cluster.idemstore.upstream_cx_none_healthy") - none0 + d["store_skipped"] >= 20, d
     assert stat(s.envoy, "cluster.idemstore.upstream_rq_total") == rq0, "a store call was sent anyway"
     holds = [x.elapsed for x in sent]
     assert max(holds) < 0.2, holds
@@ -1010,7 +1013,8 @@ def test_drill_idemstore_killed_and_restarted(kill_stack, upstream, note):
     assert v.unguarded and v.refused, (len(v.unguarded), len(v.refused))
     # (As in the Redis drill: local executions whose record was handed back count as guarded.)
     n = len(v.unguarded) + len(v.refused)
-    assert n <= d["degraded"] <= n + d["handed_back"], (d, len(v.unguarded), len(v.refused))
+    handed_back = envoy.counter("handed_back") - before.get("handed_back", 0)
+    assert n <= d["degraded"] <= n + handed_back, (d, len(v.unguarded), len(v.refused), handed_back)
     assert d["unavailable"] == len(v.refused), d
     assert d["store_errors"] + d["store_skipped"] == d["degraded"] + d["local_replays"], d
     assert d["commit_failed"] == 0 and d["conflicted"] == 0, d
