@@ -23,7 +23,7 @@ use idem_protocol::CommitOutcome;
 use crate::breaker::{Breaker, Gate};
 use crate::config::Config;
 use crate::detached::{UpstreamAnswer, UpstreamCall};
-use crate::fallback::{self, Fallback, Outcome};
+use crate::fallback::{self, Fallback, Outcome, HAND_BACK_TOKEN};
 use crate::local::SharedData;
 use crate::machine::{Action, Effect, Step, Stream, StreamView};
 use crate::metrics::Metric;
@@ -261,11 +261,14 @@ impl Coordinator {
     pub fn on_tick(&mut self, env: &dyn Env) {
         self.callback = Callback::Root;
         let Some(now_ms) = env.now_us().map(|us| us / 1000) else { return };
+        let Some(scan_due) = self.fallback.as_ref().map(|f| f.scan_due(now_ms)) else { return };
+        // With the breaker open, a scan due once its interval is over is the probe (no request
+        // may come to probe it).
+        let scan = self.breaker.is_closed() || scan_due && !self.skips_begin(env);
         let Some(f) = &mut self.fallback else { return };
         let streams = &self.streams;
         let due = f.due(env, now_ms, |id| streams.get(&id).is_none_or(|e| e.gone));
-        let (hand_backs, records) =
-            if self.breaker.is_closed() { f.hand_backs(env, now_ms) } else { (vec![], None) };
+        let (hand_backs, records) = if scan { f.hand_backs(env, now_ms) } else { (vec![], None) };
         for (stream, outcome) in due {
             let (effects, alive) = self.local_outcome(stream, outcome);
             self.apply(stream, effects, alive, env);
@@ -274,12 +277,9 @@ impl Coordinator {
             self.commands.push_back(Command::LocalRecords(n as u64));
         }
         for h in hand_backs {
-            let call = StoreCall::Commit {
-                key: h.key,
-                token: "handback".into(),
-                body_hash: h.body_hash,
-                record: h.record,
-            };
+            // Under the store's lock it was made under, if any: the commit ends that lock too.
+            let token = if h.token.is_empty() { HAND_BACK_TOKEN.to_string() } else { h.token };
+            let call = StoreCall::Commit { key: h.key, token, body_hash: h.body_hash, record: h.record };
             let job = Job {
                 stream: 0,
                 request_id: Rc::from("-"),
@@ -291,6 +291,11 @@ impl Coordinator {
             self.submit(job, env);
         }
         self.retick();
+    }
+
+    /// Local records may wait to be handed back (known after the last scan).
+    pub fn hand_backs_due(&self) -> bool {
+        self.fallback.as_ref().is_some_and(Fallback::hand_back_due)
     }
 
     /// Asks for the tick the local fallback needs now, if it changed.
@@ -590,7 +595,23 @@ impl Coordinator {
         if let (Call::Store(call), Some(f)) = (&job.call, outcome.store_fault()) {
             log::warn!("{} (try {}): {f}", job.label(), job.attempt + 1);
             effects.push(Effect::Count(Metric::StoreErrors));
-            if let Some(next) = call.after_fault(job.attempt) {
+            let kept = match (call, &mut self.fallback) {
+                // The commit's retry failed too: the record is kept here rather than lost.
+                (StoreCall::Commit { key, token, body_hash, record }, Some(f)) if job.attempt > 0 => {
+                    let (kept, dropped) =
+                        f.keep(env, key, token, body_hash, record, env.now_us().map(|us| us / 1000));
+                    for (metric, n) in dropped {
+                        self.commands.push_back(Command::Add { metric, n });
+                    }
+                    self.retick();
+                    kept
+                }
+                _ => false,
+            };
+            if let Some(next) = call.after_fault(job.attempt).filter(|_| !kept) {
+                if let (StoreCall::Release { key, token }, Some(f)) = (&next, &mut self.fallback) {
+                    f.released(env, key, token, env.now_us().map(|us| us / 1000));
+                }
                 let attempt = if next.kind() == call.kind() { job.attempt + 1 } else { 0 };
                 let retry = Job {
                     stream: job.stream,
@@ -612,6 +633,13 @@ impl Coordinator {
                     effects.extend(more);
                     alive
                 }
+                (Call::Store(StoreCall::Begin { key, body_hash }), Ok(BeginAnswer::Locked { token }))
+                    if self.fallback.is_some() && self.streams.contains_key(&job.stream) =>
+                {
+                    let (more, alive) = self.adopt(job.stream, key, body_hash, token, env);
+                    effects.extend(more);
+                    alive
+                }
                 (_, answer) if self.streams.contains_key(&job.stream) => {
                     self.feed(&job, &mut effects, |s| s.on_begin_answer(answer))
                 }
@@ -629,6 +657,11 @@ impl Coordinator {
                 self.feed(&job, &mut effects, |s| s.on_upstream_answer(answer))
             }
             Answered::Commit(result) => {
+                if let (Some(f), Call::Store(StoreCall::Commit { token, .. }), Ok(_)) =
+                    (&mut self.fallback, &job.call, &result)
+                {
+                    f.forget(token);
+                }
                 match result {
                     Ok(CommitOutcome::Stored | CommitOutcome::Late) => {
                         effects.push(Effect::Count(Metric::Stored))
@@ -663,6 +696,42 @@ impl Coordinator {
             Some(f) if !gone => f.begin(env, stream, key, body_hash, fault, env.now_us().map(|us| us / 1000)),
             _ => Outcome::Answer(Err(fault), vec![]),
         };
+        let out = self.local_outcome(stream, outcome);
+        self.retick();
+        out
+    }
+
+    /// The store granted a stream its lock: mirrored in the local store, unless that holds
+    /// this key's answer already (a record made here in an outage, not yet handed back: it goes
+    /// back under this lock) or runs it (the stream waits; the store's lock is released).
+    fn adopt(
+        &mut self,
+        stream: u32,
+        key: &str,
+        body_hash: &str,
+        token: String,
+        env: &dyn Env,
+    ) -> (Vec<Effect>, bool) {
+        let now_ms = env.now_us().map(|us| us / 1000);
+        let local = match &mut self.fallback {
+            Some(f) => f.adopt(env, stream, key, body_hash, &token, now_ms),
+            None => None,
+        };
+        let Some(outcome) = local else {
+            return self.answer_begin(stream, Ok(BeginAnswer::Locked { token }), vec![]);
+        };
+        let call = match &outcome {
+            Outcome::Answer(Ok(BeginAnswer::Replay(record)), _) => StoreCall::Commit {
+                key: key.to_string(),
+                token,
+                body_hash: body_hash.to_string(),
+                record: record.encode(),
+            },
+            _ => StoreCall::Release { key: key.to_string(), token },
+        };
+        let hand_back = matches!(call, StoreCall::Commit { .. });
+        let job = Job { hand_back, ..self.job(stream, Call::Store(call)) };
+        self.submit(job, env);
         let out = self.local_outcome(stream, outcome);
         self.retick();
         out
@@ -774,6 +843,14 @@ impl Coordinator {
                     }
                 }
                 Effect::Store(call) => {
+                    let now_ms = || env.now_us().map(|us| us / 1000);
+                    match (&call, &mut self.fallback) {
+                        (StoreCall::Commit { key, token, body_hash, .. }, Some(f)) => {
+                            f.sent(env, key, token, body_hash, now_ms())
+                        }
+                        (StoreCall::Release { key, token }, Some(f)) => f.released(env, key, token, now_ms()),
+                        _ => {}
+                    }
                     if let StoreCall::Begin { key, body_hash } = &call {
                         // Answered here (the cache, or the breaker), or sent.
                         if self.streams.contains_key(&stream) {

@@ -39,10 +39,10 @@ use crate::store::StoreCall;
 /// Configurations a run picks from (each with `store_key_header`, through which the simulation
 /// learns every stream's store key).
 pub const CONFIGS: [&str; 4] = [
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":1,"store_timeout_ms":300,"lock_wait_ms":200}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":3,"store_timeout_ms":300,"lock_wait_ms":200}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":2,"failure_mode":"closed"}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":1,"detached_execution":true,"lock_wait_ms":0}"#,
-    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":1,"record_cache_entries":0,"breaker_failures":1,"breaker_open_ms":300}"#,
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":4,"record_cache_entries":0,"breaker_failures":1,"breaker_open_ms":300}"#,
 ];
 
 const CLIENT_KEYS: [&str; 3] = ["order-1", "order-2", "order-3"];
@@ -72,6 +72,10 @@ pub struct Tally {
     pub handed_back: u32,
     pub hand_backs_dropped: u32,
     pub other_replica_records: u32,
+    /// Records whose commit failed, kept locally and handed back under their store lock.
+    pub kept_handed_back: u32,
+    /// Retries answered `503` from a marker of a record this Envoy sent the store.
+    pub withheld: u32,
 }
 
 impl Tally {
@@ -97,6 +101,8 @@ impl Tally {
             (&mut self.local_replays, o.local_replays),
             (&mut self.handed_back, o.handed_back),
             (&mut self.other_replica_records, o.other_replica_records),
+            (&mut self.kept_handed_back, o.kept_handed_back),
+            (&mut self.withheld, o.withheld),
         ];
         for (sum, n) in pairs {
             *sum += n;
@@ -126,6 +132,7 @@ impl Tally {
             self.local_replays,
             self.handed_back,
             self.other_replica_records,
+            self.withheld,
         ]
         .iter()
         .all(|&v| v >= n)
@@ -404,6 +411,18 @@ impl World {
                 self.settle_calls()?;
             }
         }
+        // Records kept here go back to the store (a lock whose commit failed ends that way).
+        for _ in 0..60 {
+            if !self.coord.hand_backs_due() {
+                break;
+            }
+            self.clock.0.set(self.clock.0.get() + 1_100_000);
+            self.tick()?;
+            self.settle_calls()?;
+        }
+        if self.coord.hand_backs_due() {
+            return self.violation("local records never handed back".into());
+        }
         let now_ms = self.clock.0.get() / 1000;
         let local = crate::local::LocalStore::new(
             self.cfg.local_record_entries,
@@ -423,8 +442,10 @@ impl World {
         for (token, g) in &self.granted {
             let ended = match g.ends.iter().position(|&(_, answered)| answered) {
                 Some(i) => i + 1 == g.ends.len(),
-                // Given up after faults: only a failed release is left to the lock's TTL.
-                None => g.ends.last().is_some_and(|&(commit, _)| !commit),
+                // Given up after faults: a failed release is left to the lock's TTL, and so is a
+                // record whose commits failed, kept locally, which expired before it could be
+                // handed back (one that could was, above).
+                None => g.ends.last().is_some_and(|&(commit, _)| !commit) || g.ends.iter().all(|&(c, _)| c),
             };
             if !ended {
                 return self.violation(format!("lock {token} of {}: ends {:?}", g.key, g.ends));
@@ -660,6 +681,11 @@ impl World {
                         return self.violation(format!("stream {stream} ({expected}) replayed {body:?}"));
                     }
                     self.tally.replays += 1;
+                }
+                if response.status == 503
+                    && String::from_utf8_lossy(&response.body).contains("already processed")
+                {
+                    self.tally.withheld += 1;
                 }
                 self.last_own_answer = (self.callback == Callback::Stream(stream))
                     .then(|| (i, response.status, response.body.clone()));
@@ -897,12 +923,15 @@ impl World {
     }
 
     fn note_lock_end(&mut self, commit: bool, key: &str, token: &str, answered: bool) -> Result<(), String> {
-        if commit && token == "handback" {
+        if commit && token == crate::fallback::HAND_BACK_TOKEN {
             // A local record handed back: it ends no lock of the store's.
             return Ok(());
         }
         match self.granted.get_mut(token) {
             Some(g) if g.key == key && !g.ends.iter().any(|&(_, answered)| answered) => {
+                if commit && answered && g.ends.len() >= 2 && g.ends.iter().all(|&(c, _)| c) {
+                    self.tally.kept_handed_back += 1;
+                }
                 g.ends.push((commit, answered));
                 Ok(())
             }

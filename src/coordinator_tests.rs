@@ -412,4 +412,119 @@ fn random_interleavings_keep_the_coordinator_invariants() {
     }
     // The sample reaches every path, so the invariants were checked on each.
     assert!(seen.all_at_least(50), "{seen:?}");
+    // Rarer (a commit and its retry both failed, then a hand-back before the short retention
+    // ends): still taken.
+    assert!(seen.kept_handed_back >= 20, "{seen:?}");
+}
+
+/// Runs stream `id` under the store's lock `tok` to a 201 `made`; returns the commit sent.
+fn run_under_store_lock(c: &mut Coordinator, id: u32, clock: &SimEnv, token: &mut u32) -> (u32, Dispatch) {
+    let mut v = view("k1", "a");
+    request(c, id, &v, clock);
+    let (t, _) = dispatch_all(c, clock, token)[0].clone();
+    c.on_callout_answer(t, answer("locked", &[(proto::HEADER_TOKEN, "tok")]), vec![], clock);
+    assert!(drain(c).contains(&Command::Resume { stream: id }));
+    v.resp(":status", "201");
+    v.response_chunk = b"made".to_vec();
+    c.on_stream_event(id, &v, clock, |s, v| s.on_response_headers(v, false));
+    c.on_stream_event(id, &v, clock, |s, v| s.on_response_body(v, 4, true));
+    drain(c);
+    let sent = dispatch_all(c, clock, token);
+    assert_eq!(path(&sent[0].1), proto::PATH_COMMIT);
+    sent[0].clone()
+}
+
+#[test]
+fn what_ran_under_the_stores_lock_never_runs_again_in_this_envoy_when_the_store_fails() {
+    let clock = SimEnv::at(T0);
+    let cfg = r#","local_record_entries":256,"breaker_open_ms":0"#;
+    let mut c = coordinator(cfg);
+    c.set_up(&clock, 5);
+    drain(&mut c);
+    let mut token = 0;
+    // Another worker's VM of the same Envoy (the same shared data).
+    let mut other = coordinator(cfg);
+    other.set_up(&clock, 6);
+    drain(&mut other);
+
+    // While stream 2 runs under the store's lock, the store fails for a duplicate on the other
+    // worker: it waits for the mirrored lock instead of running.
+    let mut v = view("k1", "a");
+    request(&mut c, 2, &v, &clock);
+    let (t, _) = dispatch_all(&mut c, &clock, &mut token)[0].clone();
+    c.on_callout_answer(t, answer("locked", &[(proto::HEADER_TOKEN, "tok")]), vec![], &clock);
+    assert!(drain(&mut c).contains(&Command::Resume { stream: 2 }));
+    request(&mut other, 7, &v, &clock);
+    let (t, _) = dispatch_all(&mut other, &clock, &mut token)[0].clone();
+    other.on_callout_answer(t, vec![], vec![], &clock);
+    let commands = drain(&mut other);
+    assert!(
+        responses(&commands).is_empty() && !commands.contains(&Command::Resume { stream: 7 }),
+        "{commands:?}"
+    );
+
+    // The original's commit is sent: the duplicate's wait ends with a 503 (the answer is in the
+    // store, which cannot be read), not a second execution.
+    v.resp(":status", "201");
+    v.response_chunk = b"made".to_vec();
+    c.on_stream_event(2, &v, &clock, |s, v| s.on_response_headers(v, false));
+    c.on_stream_event(2, &v, &clock, |s, v| s.on_response_body(v, 4, true));
+    drain(&mut c);
+    let (commit, _) = dispatch_all(&mut c, &clock, &mut token)[0].clone();
+    clock.0.set(T0 + 20_000);
+    other.on_tick(&clock);
+    let commands = drain(&mut other);
+    assert_eq!(responses(&commands), vec![(7, 503)]);
+    assert!(commands.contains(&Command::Count(Metric::Unavailable)));
+
+    // The commit and its retry fail: the record is kept locally, and no release is sent (the
+    // hand-back ends the store's lock). A retry on the other worker replays it.
+    c.on_callout_answer(commit, vec![], vec![], &clock);
+    let retry = dispatch_all(&mut c, &clock, &mut token);
+    assert_eq!(path(&retry[0].1), proto::PATH_COMMIT);
+    c.on_callout_answer(retry[0].0, vec![], vec![], &clock);
+    let commands = drain(&mut c);
+    assert!(dispatches(&commands).is_empty(), "{commands:?}");
+    request(&mut other, 8, &v, &clock);
+    let (t, _) = dispatch_all(&mut other, &clock, &mut token)[0].clone();
+    other.on_callout_answer(t, vec![], vec![], &clock);
+    let commands = drain(&mut other);
+    assert_eq!(responses(&commands), vec![(8, 201)]);
+    assert!(commands.contains(&Command::Count(Metric::LocalReplays)));
+
+    // The store is back before the hand-back: it grants a retry its lock, but the local record
+    // answers, and goes to the store under that lock.
+    request(&mut other, 9, &v, &clock);
+    let (t, _) = dispatch_all(&mut other, &clock, &mut token)[0].clone();
+    other.on_callout_answer(t, answer("locked", &[(proto::HEADER_TOKEN, "tok2")]), vec![], &clock);
+    let commands = drain(&mut other);
+    assert_eq!(responses(&commands), vec![(9, 201)]);
+    let sent = dispatches(&commands);
+    assert_eq!((path(&sent[0]), header(&sent[0], proto::HEADER_TOKEN)), (proto::PATH_COMMIT, "tok2"));
+    // The scan hands the record back under the lock it was made under.
+    clock.0.set(T0 + 1_100_000);
+    c.on_tick(&clock);
+    let hand_back = dispatches(&drain(&mut c));
+    assert_eq!(header(&hand_back[0], proto::HEADER_TOKEN), "tok");
+}
+
+#[test]
+fn a_key_run_before_the_outage_is_not_run_again_during_it() {
+    let clock = SimEnv::at(T0);
+    let mut c = coordinator(r#","local_record_entries":256,"breaker_open_ms":0"#);
+    c.set_up(&clock, 5);
+    drain(&mut c);
+    let mut token = 0;
+    let (commit, _) = run_under_store_lock(&mut c, 2, &clock, &mut token);
+    c.on_callout_answer(commit, answer("stored", &[]), vec![], &clock);
+    drain(&mut c);
+    // The store fails: the same request gets 503 with Retry-After, another body 422.
+    for (id, body, status) in [(3, "a", 503), (4, "b", 422)] {
+        request(&mut c, id, &view("k1", body), &clock);
+        let (t, _) = dispatch_all(&mut c, &clock, &mut token)[0].clone();
+        c.on_callout_answer(t, vec![], vec![], &clock);
+        let commands = drain(&mut c);
+        assert_eq!(responses(&commands), vec![(id, status)], "{commands:?}");
+        assert!(!commands.iter().any(|c| matches!(c, Command::Resume { .. })));
+    }
 }

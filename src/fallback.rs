@@ -8,6 +8,14 @@
 //!
 //! Local lock tokens are `local-<16 hex>`: the machine passes them back in its commit or
 //! release like the store's, and the coordinator sends those here instead of to the store.
+//!
+//! While the store answers, what this Envoy does with it is mirrored here (see `local`): a lock
+//! the store granted ([`Fallback::adopt`]), a record sent ([`Fallback::sent`]) or not taken
+//! ([`Fallback::keep`]), a lock released ([`Fallback::released`]). That costs a shared-data write
+//! per lock and per record, and is what keeps one execution per key within this Envoy when the
+//! store fails mid-flight, or a key it ran before the outage comes back during it.
+
+use std::collections::HashMap;
 
 use crate::config::{Config, FailureMode};
 use crate::local::{Begin, HandBack, LocalStore, SharedData};
@@ -16,6 +24,8 @@ use crate::record::Record;
 use crate::store::{BeginAnswer, CalloutFault};
 
 const TOKEN_PREFIX: &str = "local-";
+/// The token a hand-back of a record made under a local lock carries (it ends no store lock).
+pub const HAND_BACK_TOKEN: &str = "handback";
 /// How often waiters look at the lock they wait for.
 const WAIT_POLL_MS: u64 = 20;
 /// How often records are offered back to the store while some wait for it.
@@ -54,6 +64,8 @@ pub struct Fallback {
     /// Lock owners: this VM's random high half, a counter low.
     owner_base: u64,
     next_owner: u32,
+    /// The local owner of each store lock this VM holds and mirrors, by the store's token.
+    mirrored: HashMap<String, u64>,
     /// A local record may wait to be handed back.
     hand_back_due: bool,
     /// No scan before this.
@@ -87,6 +99,7 @@ impl Fallback {
             store,
             lock_wait_ms: cfg.lock_wait_ms,
             waiters: Vec::new(),
+            mirrored: HashMap::new(),
             owner_base: 0,
             next_owner: 0,
             hand_back_due: false,
@@ -147,7 +160,110 @@ impl Fallback {
             Begin::Held { remaining_ms } => {
                 Outcome::Answer(Ok(BeginAnswer::Busy { lock_ms: Some(remaining_ms.max(1)) }), vec![])
             }
+            Begin::Withheld => Outcome::Answer(Ok(BeginAnswer::Withheld), vec![]),
             Begin::Unavailable => Outcome::Answer(Err(fault), vec![]),
+        }
+    }
+
+    fn take_owner(&mut self) -> u64 {
+        let owner = self.owner_base | u64::from(self.next_owner);
+        self.next_owner = self.next_owner.wrapping_add(1);
+        owner
+    }
+
+    /// The store granted `stream` its lock `token`: mirrored here, unless this Envoy already
+    /// ran the key in an outage (its local record not yet handed back: replayed, or `422`) or
+    /// still runs it under a local lock (the stream waits for it, as on a failed `begin`).
+    /// `None`: go on with the store's lock. With `Some`, the store's lock is not needed: the
+    /// caller hands the local record back under it, or releases it.
+    pub fn adopt(
+        &mut self,
+        data: &dyn SharedData,
+        stream: u32,
+        key: &str,
+        body_hash: &str,
+        token: &str,
+        now_ms: Option<u64>,
+    ) -> Option<Outcome> {
+        let now = now_ms?;
+        let owner = self.owner_base | u64::from(self.next_owner);
+        match self.store.adopt(data, key, body_hash, owner, now) {
+            Begin::Locked => {
+                let owner = self.take_owner();
+                self.mirrored.insert(token.to_string(), owner);
+                None
+            }
+            Begin::Held { .. } if self.lock_wait_ms > 0 => {
+                let deadline_ms = now.saturating_add(self.lock_wait_ms);
+                let fault = CalloutFault::Skipped;
+                self.waiters.push(Waiter {
+                    stream,
+                    key: key.into(),
+                    body_hash: body_hash.into(),
+                    fault,
+                    deadline_ms,
+                });
+                Some(Outcome::Wait)
+            }
+            found @ (Begin::Replay(_) | Begin::Mismatch | Begin::Held { .. }) => {
+                Some(self.answer(found, owner, CalloutFault::Skipped))
+            }
+            Begin::Withheld | Begin::Unavailable => None,
+        }
+    }
+
+    /// The record made under the store's lock `token` is on its way to the store.
+    pub fn sent(
+        &mut self,
+        data: &dyn SharedData,
+        key: &str,
+        token: &str,
+        body_hash: &str,
+        now_ms: Option<u64>,
+    ) {
+        if let (Some(&owner), Some(now)) = (self.mirrored.get(token), now_ms) {
+            self.store.sent(data, key, owner, body_hash, now);
+        }
+    }
+
+    /// The store did not take the record made under its lock `token` (the commit and its retry
+    /// failed): `true` if it is kept here, to replay and to hand back (the store's lock is then
+    /// left to that hand-back, which ends it); `false`: the caller releases the lock.
+    pub fn keep(
+        &mut self,
+        data: &dyn SharedData,
+        key: &str,
+        token: &str,
+        body_hash: &str,
+        record: &[u8],
+        now_ms: Option<u64>,
+    ) -> (bool, Vec<(Metric, u64)>) {
+        let (Some(owner), Some(now)) = (self.mirrored.remove(token), now_ms) else { return (false, vec![]) };
+        let kept = self
+            .fit(record)
+            .is_some_and(|bytes| self.store.keep(data, key, owner, body_hash, &bytes, token, now));
+        if kept {
+            self.hand_back_due = true;
+        } else {
+            self.store.release(data, key, owner, now);
+        }
+        (kept, self.dropped())
+    }
+
+    /// The store answered the commit under its lock `token`: the marker stays.
+    pub fn forget(&mut self, token: &str) {
+        self.mirrored.remove(token);
+    }
+
+    /// Store locks mirrored and not yet ended: for the simulation's checks.
+    pub fn mirrored(&self) -> usize {
+        self.mirrored.len()
+    }
+
+    /// The store's lock `token` is released (or given up): its mirror goes too.
+    pub fn released(&mut self, data: &dyn SharedData, key: &str, token: &str, now_ms: Option<u64>) {
+        if let (Some(owner), Some(now)) = (self.mirrored.remove(token), now_ms) {
+            self.store.release(data, key, owner, now);
         }
     }
 
@@ -227,10 +343,19 @@ impl Fallback {
         }
     }
 
+    /// A hand-back scan would run at `now_ms`.
+    pub fn scan_due(&self, now_ms: u64) -> bool {
+        self.hand_back_due && now_ms >= self.next_scan_ms
+    }
+
+    pub fn hand_back_due(&self) -> bool {
+        self.hand_back_due
+    }
+
     /// Records to hand back to the store now (at most one scan per [`HAND_BACK_MS`], and only
     /// while some may wait), and how many local records there are, when scanned.
     pub fn hand_backs(&mut self, data: &dyn SharedData, now_ms: u64) -> (Vec<HandBack>, Option<usize>) {
-        if !self.hand_back_due || now_ms < self.next_scan_ms {
+        if !self.scan_due(now_ms) {
             return (vec![], None);
         }
         self.next_scan_ms = now_ms.saturating_add(HAND_BACK_MS);

@@ -11,6 +11,12 @@
 //! whatever the outage's traffic. Locks expire after `lock_ttl_ms`, records after
 //! `retention_seconds`. Records not yet handed back to the store are marked so; once the store
 //! answers again, [`LocalStore::claim_hand_backs`] hands them out, once each.
+//!
+//! While the store works, the stripes mirror what this Envoy does with it, so that an outage
+//! cannot make this Envoy run a key twice: a lock the store granted is mirrored as a local lock
+//! (duplicates that fall back to the local store wait for it), a record sent to the store leaves
+//! a marker of its body hash (a retry in an outage gets `503` instead of running again), and a
+//! record the store never took becomes a local record, handed back later with the store's token.
 
 use crate::key;
 
@@ -21,7 +27,7 @@ pub const MAX_STRIPES: u32 = 4096;
 const ATTEMPTS: usize = 16;
 /// A claimed hand-back not confirmed within this is handed out again.
 const CLAIM_MS: u64 = 10_000;
-const MAGIC: &[u8; 4] = b"IDL1";
+const MAGIC: &[u8; 4] = b"IDL2";
 
 /// Envoy's shared data: values with a version, written only if the version is unchanged.
 pub trait SharedData {
@@ -43,6 +49,9 @@ pub enum Begin {
     Locked,
     /// Another request holds the lock for this long still.
     Held { remaining_ms: u64 },
+    /// This Envoy sent the store a record for this key and body: it is there, but cannot be
+    /// read while the store fails (the request must not run again).
+    Withheld,
     /// The shared data cannot be used (not set up, or too contended): no local guarantee.
     Unavailable,
 }
@@ -64,6 +73,9 @@ pub struct HandBack {
     pub key: String,
     pub body_hash: String,
     pub record: Vec<u8>,
+    /// The store's lock token the record was made under (the commit then ends that lock too);
+    /// empty for a record made under a local lock.
+    pub token: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,8 +88,26 @@ enum HandBackState {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Entry {
-    Lock { owner: u64 },
-    Record { body_hash: [u8; 32], hand_back: HandBackState, record: Vec<u8> },
+    Lock {
+        owner: u64,
+    },
+    Record {
+        body_hash: [u8; 32],
+        hand_back: HandBackState,
+        record: Vec<u8>,
+        token: String,
+    },
+    /// A record sent to the store (the marker of a key the store holds).
+    Stored {
+        body_hash: [u8; 32],
+    },
+}
+
+impl Entry {
+    /// A record or a marker: what the bounds push out, oldest first (locks expire instead).
+    fn is_kept(&self) -> bool {
+        !matches!(self, Entry::Lock { .. })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,7 +121,8 @@ impl Slot {
     fn cost(&self) -> usize {
         match &self.entry {
             Entry::Lock { .. } => 49,
-            Entry::Record { record, .. } => 94 + record.len(),
+            Entry::Record { record, token, .. } => 96 + record.len() + token.len(),
+            Entry::Stored { .. } => 73,
         }
     }
 }
@@ -156,7 +187,7 @@ impl LocalStore {
 
     /// The largest record a stripe can keep (a larger one is kept without its body).
     pub fn max_record_bytes(&self) -> usize {
-        self.stripe_bytes.saturating_sub(94)
+        self.stripe_bytes.saturating_sub(96 + 64)
     }
 
     /// Creates the stripes that do not exist yet. Run before any other use (at configuration):
@@ -207,7 +238,7 @@ impl LocalStore {
                 || s.slots.iter().map(Slot::cost).sum::<usize>() > self.stripe_bytes
         };
         while over(stripe) {
-            let Some(i) = stripe.slots.iter().position(|s| matches!(s.entry, Entry::Record { .. })) else {
+            let Some(i) = stripe.slots.iter().position(|s| s.entry.is_kept()) else {
                 break;
             };
             let slot = stripe.slots.remove(i);
@@ -228,7 +259,10 @@ impl LocalStore {
             Some(Slot { entry: Entry::Record { body_hash, record, .. }, .. }) if *body_hash == h => {
                 (Begin::Replay(record.clone()), false)
             }
-            Some(Slot { entry: Entry::Record { .. }, .. }) => (Begin::Mismatch, false),
+            Some(Slot { entry: Entry::Stored { body_hash }, .. }) if *body_hash == h => {
+                (Begin::Withheld, false)
+            }
+            Some(Slot { entry: Entry::Record { .. } | Entry::Stored { .. }, .. }) => (Begin::Mismatch, false),
             Some(Slot { expires_ms, .. }) => (Begin::Held { remaining_ms: expires_ms - now_ms }, false),
             None => {
                 stripe.slots.push(Slot { key: k, expires_ms, entry: Entry::Lock { owner } });
@@ -264,17 +298,107 @@ impl LocalStore {
         let slot = Slot {
             key: k,
             expires_ms: now_ms.saturating_add(self.retention_ms),
-            entry: Entry::Record { body_hash: h, hand_back: HandBackState::Pending, record: record.to_vec() },
+            entry: Entry::Record {
+                body_hash: h,
+                hand_back: HandBackState::Pending,
+                record: record.to_vec(),
+                token: String::new(),
+            },
         };
-        self.update(data, &k, now_ms, |stripe| {
-            let exists = stripe.slots.iter().any(|s| s.key == k && matches!(s.entry, Entry::Record { .. }));
-            stripe.slots.retain(|s| !(s.key == k && s.entry == Entry::Lock { owner }));
+        self.replace_lock(data, &k, owner, slot, now_ms)
+    }
+
+    /// Puts `slot` in place of `owner`'s lock on its key (and of a marker), unless a record of
+    /// the key is kept already; `false` when the shared data could not be written.
+    fn replace_lock(&self, data: &dyn SharedData, k: &[u8; 32], owner: u64, slot: Slot, now_ms: u64) -> bool {
+        self.update(data, k, now_ms, |stripe| {
+            let exists = stripe.slots.iter().any(|s| s.key == *k && matches!(s.entry, Entry::Record { .. }));
+            stripe.slots.retain(|s| {
+                !(s.key == *k
+                    && (s.entry == Entry::Lock { owner } || matches!(s.entry, Entry::Stored { .. })))
+            });
             if !exists {
                 stripe.slots.push(slot.clone());
             }
             ((), true)
         })
         .is_some()
+    }
+
+    /// The store granted its lock on `key`: mirrors it as `owner`'s local lock, so that a
+    /// duplicate which falls back to the local store meanwhile waits for it. Returns what the
+    /// local store holds instead: a record made here in an outage and not yet handed back (to
+    /// replay, or `Mismatch`), or a local lock another request holds (`Held`); `Locked` when the
+    /// lock is mirrored, `Unavailable` when it could not be.
+    pub fn adopt(&self, data: &dyn SharedData, key: &str, body_hash: &str, owner: u64, now_ms: u64) -> Begin {
+        let (Some(k), Some(h)) = (raw32(key), raw32(body_hash)) else { return Begin::Unavailable };
+        let expires_ms = now_ms.saturating_add(self.lock_ttl_ms);
+        let lock = Slot { key: k, expires_ms, entry: Entry::Lock { owner } };
+        let found = self.update(data, &k, now_ms, |stripe| {
+            let i = stripe.slots.iter().position(|s| s.key == k);
+            match i.map(|i| &stripe.slots[i]) {
+                Some(Slot { entry: Entry::Record { body_hash, record, .. }, .. }) if *body_hash == h => {
+                    (Begin::Replay(record.clone()), false)
+                }
+                Some(Slot { entry: Entry::Record { .. }, .. }) => (Begin::Mismatch, false),
+                Some(Slot { entry: Entry::Lock { .. }, expires_ms, .. }) => {
+                    (Begin::Held { remaining_ms: expires_ms - now_ms }, false)
+                }
+                // The store has no record after all (it expired there, or was deleted): its
+                // answer wins over the marker.
+                Some(Slot { entry: Entry::Stored { .. }, .. }) => {
+                    if let Some(i) = i {
+                        stripe.slots.remove(i);
+                    }
+                    stripe.slots.push(lock.clone());
+                    (Begin::Locked, true)
+                }
+                None => {
+                    stripe.slots.push(lock.clone());
+                    (Begin::Locked, true)
+                }
+            }
+        });
+        found.unwrap_or(Begin::Unavailable)
+    }
+
+    /// The record made under `owner`'s mirrored lock was sent to the store: a marker takes the
+    /// lock's place (kept like a record, expiring with the retention).
+    pub fn sent(&self, data: &dyn SharedData, key: &str, owner: u64, body_hash: &str, now_ms: u64) {
+        let (Some(k), Some(h)) = (raw32(key), raw32(body_hash)) else { return };
+        let slot = Slot {
+            key: k,
+            expires_ms: now_ms.saturating_add(self.retention_ms),
+            entry: Entry::Stored { body_hash: h },
+        };
+        self.replace_lock(data, &k, owner, slot, now_ms);
+    }
+
+    /// The store could not take the record made under its lock `token` (mirrored as `owner`'s):
+    /// kept here instead, to replay and to hand back with that token. `false` if it could not be.
+    #[allow(clippy::too_many_arguments)]
+    pub fn keep(
+        &self,
+        data: &dyn SharedData,
+        key: &str,
+        owner: u64,
+        body_hash: &str,
+        record: &[u8],
+        token: &str,
+        now_ms: u64,
+    ) -> bool {
+        let (Some(k), Some(h)) = (raw32(key), raw32(body_hash)) else { return false };
+        let slot = Slot {
+            key: k,
+            expires_ms: now_ms.saturating_add(self.retention_ms),
+            entry: Entry::Record {
+                body_hash: h,
+                hand_back: HandBackState::Pending,
+                record: record.to_vec(),
+                token: token.to_string(),
+            },
+        };
+        self.replace_lock(data, &k, owner, slot, now_ms)
     }
 
     /// Gives `owner`'s lock on `key` back.
@@ -300,7 +424,9 @@ impl LocalStore {
                 let mut mine = Vec::new();
                 let mut pending = 0;
                 for slot in &mut stripe.slots {
-                    let Entry::Record { body_hash, hand_back, record } = &mut slot.entry else { continue };
+                    let Entry::Record { body_hash, hand_back, record, token } = &mut slot.entry else {
+                        continue;
+                    };
                     let due = match hand_back {
                         HandBackState::Pending => true,
                         HandBackState::Claimed(at) => at.saturating_add(CLAIM_MS) <= now_ms,
@@ -313,6 +439,7 @@ impl LocalStore {
                             key: key::hex(&slot.key),
                             body_hash: key::hex(body_hash),
                             record: record.clone(),
+                            token: token.clone(),
                         });
                     }
                 }
@@ -374,7 +501,7 @@ fn encode(stripe: &Stripe) -> Vec<u8> {
                 out.push(1);
                 out.extend_from_slice(&owner.to_le_bytes());
             }
-            Entry::Record { body_hash, hand_back, record } => {
+            Entry::Record { body_hash, hand_back, record, token } => {
                 out.push(2);
                 out.extend_from_slice(body_hash);
                 let (state, at) = match hand_back {
@@ -386,6 +513,12 @@ fn encode(stripe: &Stripe) -> Vec<u8> {
                 out.extend_from_slice(&at.to_le_bytes());
                 out.extend_from_slice(&(record.len() as u32).to_le_bytes());
                 out.extend_from_slice(record);
+                out.push(token.len().min(255) as u8);
+                out.extend_from_slice(&token.as_bytes()[..token.len().min(255)]);
+            }
+            Entry::Stored { body_hash } => {
+                out.push(3);
+                out.extend_from_slice(body_hash);
             }
         }
     }
@@ -416,8 +549,12 @@ fn decode(bytes: &[u8]) -> Option<Stripe> {
                     _ => return None,
                 };
                 let len = r.u32()? as usize;
-                Entry::Record { body_hash, hand_back, record: r.take(len)?.to_vec() }
+                let record = r.take(len)?.to_vec();
+                let token_len = r.take(1)?[0] as usize;
+                let token = String::from_utf8(r.take(token_len)?.to_vec()).ok()?;
+                Entry::Record { body_hash, hand_back, record, token }
             }
+            3 => Entry::Stored { body_hash: r.take(32)?.try_into().ok()? },
             _ => return None,
         };
         slots.push(Slot { key, expires_ms, entry });
@@ -512,6 +649,34 @@ mod tests {
         assert_eq!(s.begin(&data, &key, &b, 8, 30), Begin::Mismatch);
         // Expired with the retention.
         assert_eq!(s.begin(&data, &key, &a, 8, 60_020), Begin::Locked);
+    }
+
+    #[test]
+    fn the_stores_locks_and_records_are_mirrored() {
+        let (s, data) = store();
+        let (key, a, b) = (k(3), k(100), k(101));
+        assert_eq!(s.adopt(&data, &key, &a, 7, 0), Begin::Locked);
+        assert_eq!(s.begin(&data, &key, &a, 8, 10), Begin::Held { remaining_ms: 990 });
+        s.sent(&data, &key, 7, &a, 20);
+        assert_eq!(s.begin(&data, &key, &a, 8, 30), Begin::Withheld);
+        assert_eq!(s.begin(&data, &key, &b, 8, 30), Begin::Mismatch);
+        // The store says it has no record after all: its lock wins over the marker.
+        assert_eq!(s.adopt(&data, &key, &a, 9, 40), Begin::Locked);
+        // Its commit failed: the record is kept, replayed, and handed back under its token.
+        s.sent(&data, &key, 9, &a, 50);
+        assert!(s.keep(&data, &key, 9, &a, b"rec", "tok9", 60));
+        assert_eq!(s.begin(&data, &key, &a, 8, 70), Begin::Replay(b"rec".to_vec()));
+        assert_eq!(s.adopt(&data, &key, &a, 10, 70), Begin::Replay(b"rec".to_vec()));
+        let claimed = s.claim_hand_backs(&data, 10, 80).claimed;
+        assert_eq!(
+            (claimed.len(), claimed[0].token.as_str(), claimed[0].record.as_slice()),
+            (1, "tok9", &b"rec"[..])
+        );
+        // Markers expire with the retention.
+        let other = k(4);
+        assert_eq!(s.adopt(&data, &other, &a, 11, 0), Begin::Locked);
+        s.sent(&data, &other, 11, &a, 0);
+        assert_eq!(s.begin(&data, &other, &a, 12, 60_001), Begin::Locked);
     }
 
     #[test]

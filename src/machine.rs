@@ -485,6 +485,13 @@ impl Stream {
                     Effect::Respond(problem::key_reused(&fingerprint::Differs::Body)),
                     Effect::Count(Metric::Mismatched),
                 ],
+                Ok(BeginAnswer::Withheld) => {
+                    let retry_ms = self.cfg.breaker_open_ms.max(1000);
+                    vec![
+                        Effect::Respond(problem::answer_withheld(retry_ms)),
+                        Effect::Count(Metric::Unavailable),
+                    ]
+                }
                 Ok(BeginAnswer::Busy { lock_ms }) => {
                     // What the store says is left of the holder's lock; never beyond its TTL.
                     let left = lock_ms.unwrap_or(1).min(self.cfg.lock_ttl_ms);

@@ -190,6 +190,18 @@ pub fn upstream_timeout(timeout_ms: u64) -> LocalResponse {
     )
 }
 
+/// A retry of a request this Envoy already ran, while the store that holds its answer fails: it
+/// must not run again, and its answer cannot be read yet (the local fallback's marker).
+pub fn answer_withheld(retry_ms: u64) -> LocalResponse {
+    let r = problem(
+        503,
+        "store-unavailable",
+        "Idempotency store unavailable",
+        "A request with this Idempotency-Key was already processed; its stored response cannot be read while the idempotency store is unavailable. Retry later with the same key.",
+    );
+    retry_after(r, retry_ms)
+}
+
 pub fn store_unavailable() -> LocalResponse {
     problem(
         503,

@@ -163,6 +163,9 @@ pub enum BeginAnswer {
         lock_ms: Option<u64>,
     },
     Mismatch,
+    /// The store holds a record for this key and body (this Envoy sent it) but cannot be read
+    /// now: the local fallback's answer for a retry in an outage, which must not run again.
+    Withheld,
 }
 
 /// A store answer as the host received it.
