@@ -176,6 +176,7 @@ fuzz_target!(|input: Input| {
                     BeginOutcome::Busy
                 }
                 BeginAnswer::Mismatch => BeginOutcome::Mismatch,
+                BeginAnswer::Withheld => panic!("only the local fallback answers withheld, never the store"),
             };
             assert_eq!(wire.as_str().as_bytes(), outcome);
         }
