@@ -21,7 +21,7 @@ import pytest
 
 from support import harness as h
 from support.replicas import ReplicaSets
-from support.stack import BACKENDS, LISTENERS, Stack, start_backend, start_filter_envoy
+from support.stack import LISTENERS, STACKS, Stack, start_backend, start_filter_envoy
 
 # support.log_check: the session-wide panic check of every Envoy log; pytester: its self-test
 # (test_log_check.py runs small pytest sessions in subprocesses).
@@ -80,22 +80,23 @@ def upstream(run_dir) -> h.Upstream:
     proc.stop()
 
 
-@pytest.fixture(scope="session", params=BACKENDS)
+@pytest.fixture(scope="session", params=list(STACKS))
 def stack(request, run_dir, artifacts, upstream) -> Stack:
-    backend = request.param
+    backend, matcher = STACKS[request.param]
     started: list[h.Proc] = []
     error = None
     try:
-        store, sport, redis = start_backend(run_dir, backend)
+        store, sport, redis = start_backend(run_dir, backend, request.param)
         started += [p for p in (redis, store) if p is not None]
-        envoy = start_filter_envoy(run_dir / backend, "envoy", LISTENERS, upstream.port, sport, artifacts["wasm"])
+        envoy = start_filter_envoy(run_dir / request.param, "envoy", LISTENERS, upstream.port, sport,
+                                   artifacts["wasm"], matcher)
     except h.HarnessError as e:
         error = str(e)
     if error is not None:
         for proc in reversed(started):
             proc.stop()
         pytest.fail(error, pytrace=False)
-    s = Stack(backend, envoy, upstream, store, sport, redis)
+    s = Stack(backend, envoy, upstream, store, sport, redis, matcher)
     yield s
     envoy.stop()
     store.stop()

@@ -149,7 +149,9 @@ def plugin_configs(doc: dict) -> list[dict]:
             for f in chain["filters"]:
                 for hf in f["typed_config"].get("http_filters", []):
                     if hf["name"] == "envoy.filters.http.wasm":
-                        out.append(json.loads(hf["typed_config"]["config"]["configuration"]["value"]))
+                        # The filter, or its ExtensionWithMatcher wrapper (envoy/envoy.yaml).
+                        wasm = hf["typed_config"].get("extension_config", hf)
+                        out.append(json.loads(wasm["typed_config"]["config"]["configuration"]["value"]))
     return out
 
 

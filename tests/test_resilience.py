@@ -215,8 +215,8 @@ def test_vm_kept_serving(raw_stack):
 def wasm_filters(doc) -> list[dict]:
     found = []
     if isinstance(doc, dict):
-        if doc.get("name") == "envoy.filters.http.wasm" or "envoy.extensions.filters.http.wasm" in str(
-                doc.get("typed_config", {}).get("@type", "")):
+        # The Wasm filter itself (inside an ExtensionWithMatcher wrapper, when wrapped).
+        if "envoy.extensions.filters.http.wasm" in str(doc.get("typed_config", {}).get("@type", "")):
             found.append(doc)
         for v in doc.values():
             found += wasm_filters(v)

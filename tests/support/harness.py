@@ -392,6 +392,34 @@ def wasm_filter(plugin_config: dict | str, wasm: str, vm_id: str = "idempotency"
     }
 
 
+# What the shipped configurations wrap the filter in (envoy/envoy.yaml): Envoy skips the filter,
+# never entering its VM, for a request without an Idempotency-Key or with a method it does not
+# guard; the filter itself then never sees (nor counts) those requests.
+def skip_unless_keyed(wasm: dict, methods: tuple[str, ...] = ("POST", "PATCH")) -> dict:
+    def header(name: str, regex: str) -> dict:
+        return {"single_predicate": {
+            "input": {"name": name, "typed_config": {
+                "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
+                "header_name": name}},
+            "value_match": {"safe_regex": {"google_re2": {}, "regex": regex}}}}
+
+    return {
+        "name": wasm["name"],
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
+            "extension_config": wasm,
+            "xds_matcher": {"matcher_list": {"matchers": [{
+                "predicate": {"or_matcher": {"predicate": [
+                    {"not_matcher": header("idempotency-key", ".*")},
+                    {"not_matcher": header(":method", "|".join(methods))},
+                ]}},
+                "on_match": {"action": {"name": "skip", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}},
+            }]}},
+        },
+    }
+
+
 ROUTER = {
     "name": "envoy.filters.http.router",
     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},

@@ -49,6 +49,12 @@ PRE_FILTERS: dict[str, list[dict]] = {
 }
 
 BACKENDS = ["memory", "redis"]
+# The stacks the contract tests run against: each backend, and once more with the filter wrapped
+# as envoy/envoy.yaml ships it (`harness.skip_unless_keyed`: Envoy skips the filter for requests
+# without a key or with an unguarded method) on every listener but `require` (with
+# `require_key` the filter must see requests without a key to refuse them).
+STACKS = {"memory": ("memory", False), "redis": ("redis", False), "redis-matcher": ("redis", True)}
+UNWRAPPABLE = {"require"}
 
 
 def plugin_config(**overrides) -> dict:
@@ -65,6 +71,8 @@ class Stack:
     idemstore: h.Proc
     idemstore_port: int
     redis: h.Proc | None = None
+    # The filter wrapped in the skip matcher (no `passthrough` counted for requests it skips).
+    matcher: bool = False
 
     def port(self, listener: str = "default") -> int:
         return self.envoy.port(listener)
@@ -84,8 +92,8 @@ class Stack:
         return self.envoy.wait_counter(name, at_least, timeout)
 
 
-def start_backend(run_dir: Path, backend: str) -> tuple[h.Proc, int, h.Proc | None]:
-    sub = run_dir / backend
+def start_backend(run_dir: Path, backend: str, name: str | None = None) -> tuple[h.Proc, int, h.Proc | None]:
+    sub = run_dir / (name or backend)
     redis = None
     redis_url = None
     if backend == "redis":
@@ -101,8 +109,11 @@ def start_backend(run_dir: Path, backend: str) -> tuple[h.Proc, int, h.Proc | No
 
 
 def start_filter_envoy(run_dir: Path, name: str, listeners: dict[str, dict], upstream_port: int,
-                       idemstore_port: int, wasm: str) -> h.Envoy:
-    filters = {ln: PRE_FILTERS.get(ln, []) + [h.wasm_filter(plugin_config(**cfg), wasm)]
+                       idemstore_port: int, wasm: str, matcher: bool = False) -> h.Envoy:
+    def wrap(ln: str, f: dict) -> dict:
+        return h.skip_unless_keyed(f) if matcher and ln not in UNWRAPPABLE else f
+
+    filters = {ln: PRE_FILTERS.get(ln, []) + [wrap(ln, h.wasm_filter(plugin_config(**cfg), wasm))]
                for ln, cfg in listeners.items()}
     return h.start_envoy(run_dir, name, filters, upstream_port, idemstore_port)
 
