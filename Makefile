@@ -222,9 +222,10 @@ e2e: build envoy venv redis
 ## ---- benchmarks ------------------------------------------------------------------------
 
 # bench/throughput.py drives the filter Envoy and a no-filter Envoy alternately with wrk (3 x 10 s
-# per scenario) and writes the "Throughput" and "Where the time goes" sections of bench/RESULTS.md;
-# bench/latency.py then writes its "Latency" section. Needs wrk and redis-server (installed when
-# missing, as root).
+# per scenario), then the peer (bench/peer: an idempotency middleware inside a Node.js app, the
+# same wrk scenarios; skipped without node and npm), and writes the "Goals", "Throughput", "Peer"
+# and "Where the time goes" sections of bench/RESULTS.md; bench/latency.py then writes its
+# "Latency" section. Needs wrk and redis-server (installed when missing, as root).
 # bench/floor-filter (a no-op proxy-wasm filter) is the pass-through baseline.
 bench: build envoy redis wrk
 	$(CARGO) build --release --target $(WASM_TARGET) --manifest-path bench/floor-filter/Cargo.toml \
@@ -232,7 +233,7 @@ bench: build envoy redis wrk
 	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  FLOOR_WASM="$(CURDIR)/target/bench-floor/$(WASM_TARGET)/release/floor_filter.wasm" \
 	  REDIS_SERVER="$$($(REDIS_FIND))" \
-	  timeout --kill-after=10 1800 $(PYTHON) bench/throughput.py
+	  timeout --kill-after=10 2700 $(PYTHON) bench/throughput.py
 	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  REDIS_SERVER="$$($(REDIS_FIND))" \
 	  timeout --kill-after=10 900 $(PYTHON) bench/latency.py

@@ -833,7 +833,8 @@ def write_results(sections: list[tuple[str, str]]) -> None:
     head = "# Benchmark results\n\nWritten by `make bench`; each section by the script it names.\n\n"
     text = RESULTS.read_text() if RESULTS.exists() else head
     for title, section in sections:
-        text = replace_section(text, title, section)
+        # The goals come first; a new section otherwise goes before the latency one.
+        text = replace_section(text, title, section, "## Throughput" if title == "## Goals" else "## Latency")
     RESULTS.write_text(text.rstrip("\n") + "\n")
 
 
@@ -886,6 +887,132 @@ def throughput_section(summaries, rounds, duration, vers, started, load) -> str:
         "",
         *cpu_table(summaries),
     ]
+    return "\n".join(lines) + "\n"
+
+
+PEER = BENCH / "peer" / "run.py"
+PEER_SCENARIOS = ["unique-1k", "unique-1k-c1", "replay", "burst"]
+
+
+def run_peer(rounds: int, duration: float, run_dir: Path, log) -> dict | None:
+    """bench/peer/run.py (the idempotency middleware a team would put in the app) with the same
+    rounds and duration, right after the filter's scenarios; None when Node.js is missing."""
+    if not (shutil.which("node") and shutil.which("npm")):
+        log("node/npm not found: no peer comparison (bench/peer needs Node.js)")
+        return None
+    out = run_dir / "peer.json"
+    cmd = [sys.executable, str(PEER), "--rounds", str(rounds), "--duration", f"{duration:g}",
+           "--scenarios", ",".join(PEER_SCENARIOS), "--json", str(out)]
+    log("peer: " + " ".join(cmd[1:]))
+    with open(run_dir / "peer.log", "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=3600).returncode
+    if rc != 0 or not out.exists():
+        log(f"peer run failed (rc {rc}, see {run_dir / 'peer.log'})")
+        return None
+    return json.loads(out.read_text())
+
+
+def added_cpu_us(s: Summary) -> float:
+    """CPU µs per request of every process with the filter, minus without it."""
+    return sum(s.cpu_us["idem"].values()) - sum(s.cpu_us["plain"].values())
+
+
+def peer_section(summaries: list[Summary], peer: dict) -> str:
+    by = {s.sc.name: s for s in summaries}
+    ps = {p["name"]: p for p in peer["scenarios"]}
+    c = peer["contract"]
+    lines = [
+        "## Peer: idempotency inside the app",
+        "",
+        f"The same wrk scenarios (`bench/load.lua`), right after the filter's in the same `make bench` run "
+        f"({peer['rounds']} rounds x {peer['duration_s']:g} s, medians), against {peer['peer']} "
+        f"(`bench/peer/`: {', '.join(f'{k} {v}' for k, v in peer['versions'].items() if k not in ('cpu', 'cores'))}), "
+        "compared with the same app without the middleware. Added = with minus without; CPU µs per request of "
+        "every process (filter side: the filter Envoy, the upstream Envoy, idemstore, Redis, wrk; peer side: the "
+        "Node app, Redis, wrk).",
+        "",
+        "| scenario | filter: added p50 / p99 (ms) | filter: added CPU µs per request | peer: added p50 / p99 (ms) "
+        "| peer: added CPU µs per request | contract (peer) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in PEER_SCENARIOS:
+        f, q = by.get(name), ps.get(name)
+        if not f or not q:
+            continue
+        ke = q.get("key_executions", {}).get("peer")
+        if not ke:
+            contract = "-"
+        elif ke["multi"] == 0:
+            contract = f"each of {ke['keys']} keys ran once"
+        else:
+            contract = f"**{ke['multi']} of {ke['keys']} keys ran more than once** (up to {ke['max']} times)"
+        lines.append(
+            f"| {name} | {f.idem['p50'] - f.plain['p50']:+.2f} / {f.idem['p99'] - f.plain['p99']:+.2f} "
+            f"| {added_cpu_us(f):+.0f} | {q['added_p50_ms']:+.2f} / {q['added_p99_ms']:+.2f} "
+            f"| {q['added_cpu_us']['total']:+.0f} | {contract} |")
+    trials = c.get("concurrent", {}).get("trials", [])
+    other, replay, scope = c.get("other_body", {}), c.get("replay", {}), c.get("scope", {})
+    lines += [
+        "",
+        "The contract, checked on the peer in the same run (`bench/peer/run.py`; the filter's answers to",
+        "the same cases are asserted by the contract tests: one execution, `422`, `x-idempotent-replay`,",
+        "records scoped by caller):",
+        "",
+        f"- {c.get('concurrent', {}).get('n', 20)} concurrent duplicates of one key, {len(trials)} trials: "
+        f"executions {[t['executions'] for t in trials]}, distinct order ids returned "
+        f"{[t['distinct_ids_in_201s'] for t in trials]} (the filter: 1 and 1).",
+        f"- the same key with another body: `{other.get('status')}` (first answer replayed: "
+        f"{other.get('replayed_first_answer')}; the filter: `422`).",
+        f"- a replay: same body {replay.get('same_body')}; replay header: "
+        f"{', '.join(replay.get('replay_headers', {})) or 'none'} (the filter: `x-idempotent-replay: true`).",
+        f"- another caller with the same key and body got the first caller's answer: "
+        f"{scope.get('bob_got_alices_answer')}; the stored record holds the request's `Authorization` "
+        f"header: {scope.get('stored_authorization_header')} (the filter scopes by caller and stores "
+        "no request header).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def goals_section(summaries: list[Summary], peer: dict | None) -> str:
+    """Issue 17's goals against this run's figures."""
+    by = {s.sc.name: s for s in summaries}
+    rows = []
+
+    def goal(target: str, measured: float | None, text: str, ok) -> None:
+        if measured is None:
+            rows.append(f"| {target} | not measured | - |")
+        else:
+            rows.append(f"| {target} | {text} | {'met' if ok(measured) else '**missed**'} |")
+
+    pt = by.get("passthrough")
+    goal("pass-through with the skip matcher >= 0.95x", pt.skip["rps"] / pt.plain["rps"] if pt and pt.skip else None,
+         f"{pt.skip['rps'] / pt.plain['rps']:.2f}x" if pt and pt.skip else "", lambda x: x >= 0.95)
+    u = by.get("unique-1k")
+    goal("unique-1k >= 0.35x", u.ratio if u else None, f"{u.ratio:.2f}x" if u else "", lambda x: x >= 0.35)
+    c1 = by.get("unique-1k-c1")
+    add = c1.idem["p50"] - c1.plain["p50"] if c1 else None
+    goal("added p50 on one connection <= 0.45 ms", add, f"+{add:.2f} ms" if add is not None else "", lambda x: x <= 0.45)
+    env = envoy_added_us(u) if u else None
+    goal("Envoy CPU per unique request <= +180 µs", env, f"{env:+.0f} µs" if env is not None else "", lambda x: x <= 180)
+    calls = sum(u.store_per_rq.values()) if u else 0
+    per_call = u.cpu_us["idem"]["idemstore"] / calls if u and calls else None
+    goal("idemstore CPU per store call <= 50 µs", per_call, f"{per_call:.0f} µs" if per_call else "", lambda x: x <= 50)
+    if peer:
+        ps = {p["name"]: p for p in peer["scenarios"]}
+        for name, what in (("unique-1k-c1", "added p50 per unique request"), ("replay", "added p50 per replay")):
+            f, q = by.get(name), ps.get(name)
+            if f and q:
+                mine = f.idem["p50"] - f.plain["p50"]
+                goal(f"{what} below the peer's", mine, f"{mine:+.2f} ms vs {q['added_p50_ms']:+.2f} ms",
+                     lambda x, q=q: x < q["added_p50_ms"])
+        for name, what in (("unique-1k", "added CPU per unique request"), ("replay", "added CPU per replay")):
+            f, q = by.get(name), ps.get(name)
+            if f and q:
+                mine = added_cpu_us(f)
+                goal(f"{what} below the peer's", mine, f"{mine:+.0f} µs vs {q['added_cpu_us']['total']:+.0f} µs",
+                     lambda x, q=q: x < q["added_cpu_us"]["total"])
+    lines = ["## Goals", "", "Issue 17's goals for this machine, against the figures of this run (sections below).", "",
+             "| goal | measured | |", "|---|---|---|", *rows, ""]
     return "\n".join(lines) + "\n"
 
 
@@ -1114,6 +1241,7 @@ def main() -> int:
                                  "instructions by function (`callgrind_annotate`).")
     finally:
         stack.stop()
+    peer = run_peer(rounds, duration, run_dir, log) if write else None
 
     elapsed = time.monotonic() - t0
     text = "\n".join(table(summaries, rounds, duration)) + "\n\n" + "\n".join(outcome_table(summaries)) + \
@@ -1121,8 +1249,12 @@ def main() -> int:
     print(text)
     if write:
         vers = versions()
+        sections = [("## Goals", goals_section(summaries, peer)),
+                    ("## Throughput", throughput_section(summaries, rounds, duration, vers, started, load))]
+        if peer:
+            sections.append(("## Peer: idempotency inside the app", peer_section(summaries, peer)))
         write_results([
-            ("## Throughput", throughput_section(summaries, rounds, duration, vers, started, load)),
+            *sections,
             ("## Where the time goes", analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, rtt,
                                                        filter_lat)),
         ])
