@@ -239,14 +239,7 @@ impl Fallback {
         now_ms: Option<u64>,
     ) -> (bool, Vec<(Metric, u64)>) {
         let (Some(owner), Some(now)) = (self.mirrored.remove(token), now_ms) else { return (false, vec![]) };
-        let kept = self
-            .fit(record)
-            .is_some_and(|bytes| self.store.keep(data, key, owner, body_hash, &bytes, token, now));
-        if kept {
-            self.hand_back_due = true;
-        } else {
-            self.store.release(data, key, owner, now);
-        }
+        let kept = self.keep_record(data, key, owner, body_hash, record, token, now);
         (kept, self.dropped())
     }
 
@@ -306,14 +299,32 @@ impl Fallback {
         now_ms: Option<u64>,
     ) -> Vec<(Metric, u64)> {
         let (Some(owner), Some(now)) = (owner_of(token), now_ms) else { return vec![] };
-        let fitted = self.fit(record);
-        match fitted {
-            Some(bytes) if self.store.commit(data, key, owner, body_hash, &bytes, now) => {
-                self.hand_back_due = true;
-            }
-            _ => self.store.release(data, key, owner, now),
-        }
+        self.keep_record(data, key, owner, body_hash, record, "", now);
         self.dropped()
+    }
+
+    /// Keeps a record in place of `owner`'s lock, to hand back under `store_token` (empty: made
+    /// under a local lock); gives the lock up if it cannot be kept.
+    #[allow(clippy::too_many_arguments)]
+    fn keep_record(
+        &mut self,
+        data: &dyn SharedData,
+        key: &str,
+        owner: u64,
+        body_hash: &str,
+        record: &[u8],
+        store_token: &str,
+        now: u64,
+    ) -> bool {
+        let kept = self
+            .fit(record)
+            .is_some_and(|bytes| self.store.commit(data, key, owner, body_hash, &bytes, store_token, now));
+        if kept {
+            self.hand_back_due = true;
+        } else {
+            self.store.release(data, key, owner, now);
+        }
+        kept
     }
 
     /// The record as a stripe can hold it: whole, or without its body.

@@ -284,7 +284,10 @@ impl LocalStore {
     }
 
     /// Stores `record` for `key` in place of `owner`'s lock (or, the lock lost, unless a record
-    /// exists): `false` when the shared data could not be written.
+    /// exists), to hand back under `token`: the store's lock it was made under (a commit the
+    /// store did not take), or empty for a local lock. `false` when the shared data could not be
+    /// written.
+    #[allow(clippy::too_many_arguments)]
     pub fn commit(
         &self,
         data: &dyn SharedData,
@@ -292,6 +295,7 @@ impl LocalStore {
         owner: u64,
         body_hash: &str,
         record: &[u8],
+        token: &str,
         now_ms: u64,
     ) -> bool {
         let (Some(k), Some(h)) = (raw32(key), raw32(body_hash)) else { return false };
@@ -302,7 +306,7 @@ impl LocalStore {
                 body_hash: h,
                 hand_back: HandBackState::Pending,
                 record: record.to_vec(),
-                token: String::new(),
+                token: token.to_string(),
             },
         };
         self.replace_lock(data, &k, owner, slot, now_ms)
@@ -372,33 +376,6 @@ impl LocalStore {
             entry: Entry::Stored { body_hash: h },
         };
         self.replace_lock(data, &k, owner, slot, now_ms);
-    }
-
-    /// The store could not take the record made under its lock `token` (mirrored as `owner`'s):
-    /// kept here instead, to replay and to hand back with that token. `false` if it could not be.
-    #[allow(clippy::too_many_arguments)]
-    pub fn keep(
-        &self,
-        data: &dyn SharedData,
-        key: &str,
-        owner: u64,
-        body_hash: &str,
-        record: &[u8],
-        token: &str,
-        now_ms: u64,
-    ) -> bool {
-        let (Some(k), Some(h)) = (raw32(key), raw32(body_hash)) else { return false };
-        let slot = Slot {
-            key: k,
-            expires_ms: now_ms.saturating_add(self.retention_ms),
-            entry: Entry::Record {
-                body_hash: h,
-                hand_back: HandBackState::Pending,
-                record: record.to_vec(),
-                token: token.to_string(),
-            },
-        };
-        self.replace_lock(data, &k, owner, slot, now_ms)
     }
 
     /// Gives `owner`'s lock on `key` back.
@@ -644,7 +621,7 @@ mod tests {
         let (key, a, b) = (k(1), k(100), k(101));
         assert_eq!(s.begin(&data, &key, &a, 7, 0), Begin::Locked);
         assert_eq!(s.begin(&data, &key, &a, 8, 10), Begin::Held { remaining_ms: 990 });
-        assert!(s.commit(&data, &key, 7, &a, b"rec", 20));
+        assert!(s.commit(&data, &key, 7, &a, b"rec", "", 20));
         assert_eq!(s.begin(&data, &key, &a, 8, 30), Begin::Replay(b"rec".to_vec()));
         assert_eq!(s.begin(&data, &key, &b, 8, 30), Begin::Mismatch);
         // Expired with the retention.
@@ -664,7 +641,7 @@ mod tests {
         assert_eq!(s.adopt(&data, &key, &a, 9, 40), Begin::Locked);
         // Its commit failed: the record is kept, replayed, and handed back under its token.
         s.sent(&data, &key, 9, &a, 50);
-        assert!(s.keep(&data, &key, 9, &a, b"rec", "tok9", 60));
+        assert!(s.commit(&data, &key, 9, &a, b"rec", "tok9", 60));
         assert_eq!(s.begin(&data, &key, &a, 8, 70), Begin::Replay(b"rec".to_vec()));
         assert_eq!(s.adopt(&data, &key, &a, 10, 70), Begin::Replay(b"rec".to_vec()));
         let claimed = s.claim_hand_backs(&data, 10, 80).claimed;
@@ -713,7 +690,7 @@ mod tests {
         for n in 0..flood {
             let key = k(n);
             assert_eq!(s.begin(&data, &key, &body, u64::from(n), 0), Begin::Locked);
-            assert!(s.commit(&data, &key, u64::from(n), &body, &[0u8; 40], 0));
+            assert!(s.commit(&data, &key, u64::from(n), &body, &[0u8; 40], "", 0));
         }
         let dropped = s.take_dropped();
         // Encoded, a slot takes no more than it is accounted for; 8 bytes of header a stripe.
@@ -734,7 +711,7 @@ mod tests {
         let body = k(100);
         for n in 0..5 {
             s.begin(&data, &k(n), &body, 1, 0);
-            s.commit(&data, &k(n), 1, &body, b"r", 0);
+            s.commit(&data, &k(n), 1, &body, b"r", "", 0);
         }
         let scan = s.claim_hand_backs(&data, 3, 10);
         let first = scan.claimed;
