@@ -53,25 +53,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from support import harness as h  # noqa: E402
+from benchlib import Scenario, cpu_seconds, machine_busy_seconds, run_wrk as wrk_run, wrk_bin  # noqa: E402
 
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "RESULTS.md"
-LOAD_LUA = BENCH / "load.lua"
 UPSTREAM_BODY = '{"id":"ord_000001","status":"created","item":"book","qty":1}'
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    what: str
-    path: str
-    mode: str  # none | unique | replay | burst (bench/load.lua)
-    size: int
-    n: int = 1
-    threads: int = 2
-    conns: int = 16
 
 
 SCENARIOS = [
@@ -238,19 +225,6 @@ class Stack:
             last = now
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (fields 14, 15)
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has been busy (all but idle and iowait), from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
-
-
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -311,13 +285,6 @@ class Run:
     upstream_rq: int = 0
 
 
-def wrk_bin() -> str:
-    path = os.environ.get("WRK") or shutil.which("wrk")
-    if not path:
-        raise SystemExit("wrk not found: `apt-get install wrk` (.ci/run installs it), or set WRK")
-    return path
-
-
 def upstream_requests(envoy: h.Envoy) -> int:
     s = envoy.stats(r"^cluster\.up_(fast|slow)\.upstream_rq_total$")
     return sum(s.values())
@@ -331,30 +298,11 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
     ops0 = stack.store_ops()
     out0 = envoy.counters() if target == "idem" else {}
     up0 = upstream_requests(envoy)
-    url = f"http://{h.LOOPBACK}:{envoy.port('edge')}{sc.path}"
-    argv = [wrk_bin(), "-t", str(sc.threads), "-c", str(sc.conns), "-d", f"{max(1, round(duration))}s", "--timeout", "10s",
-            "--latency", "-s", str(LOAD_LUA), url, "--", sc.mode, str(sc.size), seed, str(sc.n)]
-    with open(log, "ab") as out:
-        out.write(("$ " + " ".join(argv) + "\n").encode())
-        out.flush()
-        start = out.tell()
-        proc = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
-        # Reaped here, not by subprocess, to get wrk's own CPU time (rusage).
-        _, status, ru = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    with open(log, "rb") as f:
-        f.seek(start)
-        stdout = f.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"wrk exited {proc.returncode}; see {log}")
-    line = next((ln for ln in stdout.decode().splitlines() if ln.startswith("WRKJSON ")), None)
-    if line is None:
-        raise SystemExit(f"wrk printed no summary; see {log}")
-    w = json.loads(line[len("WRKJSON "):])
+    w, wrk_cpu = wrk_run(f"http://{h.LOOPBACK}:{envoy.port('edge')}{sc.path}", sc, duration, seed, log)
     busy = machine_busy_seconds() - busy0
     stack.settle()
     cpu = {k: cpu_seconds(pid) - cpu0[k] for k, pid in pids.items()}
-    cpu["wrk"] = ru.ru_utime + ru.ru_stime
+    cpu["wrk"] = wrk_cpu
     run = Run(
         target=target,
         rps=w["requests"] / (w["duration_us"] / 1e6),

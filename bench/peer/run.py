@@ -51,26 +51,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from support import harness as h  # noqa: E402
 
-LOAD_LUA = ROOT / "bench" / "load.lua"
+sys.path.insert(0, str(ROOT / "bench"))
+from benchlib import Scenario, cpu_seconds, machine_busy_seconds, run_wrk as wrk_run, wrk_bin  # noqa: E402
+
 RESULTS = PEER / "RESULTS.md"
 RUNS = PEER / ".runs"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 COMPONENTS = ["app", "redis", "wrk"]
 TARGETS = ["plain", "peer"]
 OTHER_LOAD = 0.3  # cores busy outside the measured processes before a run is flagged
 PACKAGES = ["express", "express-idempotency", "express-idempotency-redis-adapter", "@redis/client"]
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    what: str
-    path: str
-    mode: str  # none | unique | replay | burst (bench/load.lua)
-    size: int
-    n: int = 1
-    threads: int = 2
-    conns: int = 16
 
 
 SCENARIOS = [
@@ -196,13 +185,6 @@ def node_bin() -> str:
     return path
 
 
-def wrk_bin() -> str:
-    path = os.environ.get("WRK") or shutil.which("wrk")
-    if not path:
-        raise SystemExit("wrk not found: apt-get install wrk, or set WRK")
-    return path
-
-
 def ensure_deps(log) -> None:
     if (PEER / "node_modules" / "express-idempotency").is_dir():
         return
@@ -270,18 +252,6 @@ class Stack:
             last = now
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime (all threads)
-
-
-def machine_busy_seconds() -> float:
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
-
-
 def rss_mib(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -322,37 +292,11 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
     cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
     cmds0 = stack.redis_count.read()
     busy0 = machine_busy_seconds()
-    url = f"http://{h.LOOPBACK}:{stack.ports[target]}{sc.path}"
-    # As bench/throughput.py's run_wrk.
-    argv = [wrk_bin(), "-t", str(sc.threads), "-c", str(sc.conns), "-d", f"{max(1, round(duration))}s", "--timeout",
-            "10s", "--latency", "-s", str(LOAD_LUA), url, "--", sc.mode, str(sc.size), seed, str(sc.n)]
-    with open(log, "ab") as out:
-        out.write(("$ " + " ".join(argv) + "\n").encode())
-        out.flush()
-        start = out.tell()
-        proc = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
-        try:
-            # Reaped here, not by subprocess, to get wrk's own CPU time (rusage).
-            _, status, ru = os.wait4(proc.pid, 0)
-        except BaseException:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-            raise
-        proc.returncode = os.waitstatus_to_exitcode(status)
+    w, wrk_cpu = wrk_run(f"http://{h.LOOPBACK}:{stack.ports[target]}{sc.path}", sc, duration, seed, log)
     busy = machine_busy_seconds() - busy0
-    with open(log, "rb") as f:
-        f.seek(start)
-        stdout = f.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"wrk exited {proc.returncode}; see {log}")
-    line = next((ln for ln in stdout.decode().splitlines() if ln.startswith("WRKJSON ")), None)
-    if line is None:
-        raise SystemExit(f"wrk printed no summary; see {log}")
-    w = json.loads(line[len("WRKJSON "):])
     stack.settle()
     cpu = {k: cpu_seconds(pid) - cpu0[k] for k, pid in pids.items()}
-    cpu["wrk"] = ru.ru_utime + ru.ru_stime
+    cpu["wrk"] = wrk_cpu
     run = Run(
         target=target, seed=seed,
         rps=w["requests"] / (w["duration_us"] / 1e6),
