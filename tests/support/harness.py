@@ -393,7 +393,7 @@ def wasm_filter(plugin_config: dict | str, wasm: str, vm_id: str = "idempotency"
 
 
 # What the shipped configurations wrap the filter in (envoy/envoy.yaml): Envoy skips the filter,
-# never entering its VM, for a request without an Idempotency-Key or with a method it does not
+# without calling it, for a request without an Idempotency-Key or with a method it does not
 # guard; the filter itself then never sees (nor counts) those requests.
 def skip_unless_keyed(wasm: dict, methods: tuple[str, ...] = ("POST", "PATCH")) -> dict:
     def header(name: str, regex: str) -> dict:
