@@ -165,12 +165,6 @@ impl Fallback {
         }
     }
 
-    fn take_owner(&mut self) -> u64 {
-        let owner = self.owner_base | u64::from(self.next_owner);
-        self.next_owner = self.next_owner.wrapping_add(1);
-        owner
-    }
-
     /// The store granted `stream` its lock `token`: mirrored here, unless this Envoy already
     /// ran the key in an outage (its local record not yet handed back: replayed, or `422`) or
     /// still runs it under a local lock (the stream waits for it, as on a failed `begin`).
@@ -189,7 +183,7 @@ impl Fallback {
         let owner = self.owner_base | u64::from(self.next_owner);
         match self.store.adopt(data, key, body_hash, owner, now) {
             Begin::Locked => {
-                let owner = self.take_owner();
+                self.next_owner = self.next_owner.wrapping_add(1);
                 self.mirrored.insert(token.to_string(), owner);
                 None
             }
