@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +49,9 @@ def wrk_bin() -> str:
 
 
 def run_wrk(url: str, sc: Scenario, duration: float, seed: str, log: Path) -> tuple[dict, float]:
-    """wrk with bench/load.lua against `url` (its output appended to `log`): the `WRKJSON`
-    summary it prints (counts, latency percentiles in µs) and wrk's own CPU seconds."""
+    """wrk with bench/load.lua against `url` (its output appended to `log`): the run's figures
+    from the `WRKJSON` summary it prints (the fields both scripts' `Run` share: rps, p50_ms,
+    p90_ms, p99_ms, requests, errors, non2xx, seconds) and wrk's own CPU seconds."""
     argv = [wrk_bin(), "-t", str(sc.threads), "-c", str(sc.conns), "-d", f"{max(1, round(duration))}s", "--timeout",
             "10s", "--latency", "-s", str(LOAD_LUA), url, "--", sc.mode, str(sc.size), seed, str(sc.n)]
     with open(log, "ab") as out:
@@ -73,4 +76,33 @@ def run_wrk(url: str, sc: Scenario, duration: float, seed: str, log: Path) -> tu
     line = next((ln for ln in stdout.decode().splitlines() if ln.startswith("WRKJSON ")), None)
     if line is None:
         raise SystemExit(f"wrk printed no summary; see {log}")
-    return json.loads(line[len("WRKJSON "):]), ru.ru_utime + ru.ru_stime
+    w = json.loads(line[len("WRKJSON "):])
+    figures = {
+        "rps": w["requests"] / (w["duration_us"] / 1e6),
+        "p50_ms": w["p50_us"] / 1000, "p90_ms": w["p90_us"] / 1000, "p99_ms": w["p99_us"] / 1000,
+        "requests": w["requests"],
+        "errors": w["connect"] + w["read"] + w["write"] + w["timeout"],
+        "non2xx": w["status"],
+        "seconds": w["duration_us"] / 1e6,
+    }
+    return figures, ru.ru_utime + ru.ru_stime
+
+
+def medians(runs: list) -> dict:
+    """One target's rounds of a scenario: median throughput and latency, summed counts."""
+    return {"rps": statistics.median(r.rps for r in runs), "p50": statistics.median(r.p50_ms for r in runs),
+            "p99": statistics.median(r.p99_ms for r in runs), "requests": sum(r.requests for r in runs),
+            "non2xx": sum(r.non2xx for r in runs), "errors": sum(r.errors for r in runs)}
+
+
+def wait_still(read, timeout: float = 3.0) -> None:
+    """Until `read()` gives the same value twice 50 ms apart (work that lands after the answers:
+    commits, stored answers), or `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last = read()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = read()
+        if now == last:
+            return
+        last = now

@@ -41,7 +41,6 @@ import platform
 import re
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -53,7 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from support import harness as h  # noqa: E402
-from benchlib import Scenario, cpu_seconds, machine_busy_seconds, run_wrk as wrk_run, wrk_bin  # noqa: E402
+from benchlib import (Scenario, cpu_seconds, machine_busy_seconds, medians, run_wrk as wrk_run,  # noqa: E402
+                      wait_still, wrk_bin)
 
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "RESULTS.md"
@@ -215,14 +215,7 @@ class Stack:
 
     def settle(self, timeout: float = 3.0) -> None:
         """Until idemstore's counters stop moving (commits land after the answers)."""
-        deadline = time.monotonic() + timeout
-        last = self.store_ops()
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            now = self.store_ops()
-            if now == last:
-                return
-            last = now
+        wait_still(self.store_ops, timeout)
 
 
 def rss_kib(pid: int) -> int:
@@ -298,20 +291,15 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
     ops0 = stack.store_ops()
     out0 = envoy.counters() if target == "idem" else {}
     up0 = upstream_requests(envoy)
-    w, wrk_cpu = wrk_run(f"http://{h.LOOPBACK}:{envoy.port('edge')}{sc.path}", sc, duration, seed, log)
+    figures, wrk_cpu = wrk_run(f"http://{h.LOOPBACK}:{envoy.port('edge')}{sc.path}", sc, duration, seed, log)
     busy = machine_busy_seconds() - busy0
     stack.settle()
     cpu = {k: cpu_seconds(pid) - cpu0[k] for k, pid in pids.items()}
     cpu["wrk"] = wrk_cpu
     run = Run(
         target=target,
-        rps=w["requests"] / (w["duration_us"] / 1e6),
-        p50_ms=w["p50_us"] / 1000, p90_ms=w["p90_us"] / 1000, p99_ms=w["p99_us"] / 1000,
-        requests=w["requests"],
-        errors=w["connect"] + w["read"] + w["write"] + w["timeout"],
-        non2xx=w["status"],
+        **figures,
         cpu=cpu,
-        seconds=w["duration_us"] / 1e6,
         machine_busy=busy,
         upstream_rq=upstream_requests(envoy) - up0,
     )
@@ -392,14 +380,9 @@ class Summary:
 
 
 def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
-    def med(rs: list[Run]) -> dict:
-        return {"rps": statistics.median(r.rps for r in rs), "p50": statistics.median(r.p50_ms for r in rs),
-                "p99": statistics.median(r.p99_ms for r in rs), "requests": sum(r.requests for r in rs),
-                "non2xx": sum(r.non2xx for r in rs), "errors": sum(r.errors for r in rs)}
-
-    plain, idem = med(runs["plain"]), med(runs["idem"])
-    floor = med(runs["floor"]) if runs.get("floor") else None
-    skip = med(runs["skip"]) if runs.get("skip") else None
+    plain, idem = medians(runs["plain"]), medians(runs["idem"])
+    floor = medians(runs["floor"]) if runs.get("floor") else None
+    skip = medians(runs["skip"]) if runs.get("skip") else None
     n_idem = max(1, idem["requests"])
     store: dict[str, int] = {}
     outcomes: dict[str, int] = {}

@@ -36,7 +36,6 @@ import platform
 import secrets
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -52,7 +51,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from support import harness as h  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
-from benchlib import Scenario, cpu_seconds, machine_busy_seconds, run_wrk as wrk_run, wrk_bin  # noqa: E402
+from benchlib import (Scenario, cpu_seconds, machine_busy_seconds, medians, run_wrk as wrk_run,  # noqa: E402
+                      wait_still, wrk_bin)
 
 RESULTS = PEER / "RESULTS.md"
 RUNS = PEER / ".runs"
@@ -242,14 +242,7 @@ class Stack:
 
     def settle(self, timeout: float = 3.0) -> None:
         """Until Redis's command count stops moving (the middleware stores answers after sending)."""
-        deadline = time.monotonic() + timeout
-        last = self.redis_count.read()
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            now = self.redis_count.read()
-            if now == last:
-                return
-            last = now
+        wait_still(self.redis_count.read, timeout)
 
 
 def rss_mib(pid: int) -> float:
@@ -292,20 +285,15 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
     cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
     cmds0 = stack.redis_count.read()
     busy0 = machine_busy_seconds()
-    w, wrk_cpu = wrk_run(f"http://{h.LOOPBACK}:{stack.ports[target]}{sc.path}", sc, duration, seed, log)
+    figures, wrk_cpu = wrk_run(f"http://{h.LOOPBACK}:{stack.ports[target]}{sc.path}", sc, duration, seed, log)
     busy = machine_busy_seconds() - busy0
     stack.settle()
     cpu = {k: cpu_seconds(pid) - cpu0[k] for k, pid in pids.items()}
     cpu["wrk"] = wrk_cpu
     run = Run(
         target=target, seed=seed,
-        rps=w["requests"] / (w["duration_us"] / 1e6),
-        p50_ms=w["p50_us"] / 1000, p90_ms=w["p90_us"] / 1000, p99_ms=w["p99_us"] / 1000,
-        requests=w["requests"],
-        errors=w["connect"] + w["read"] + w["write"] + w["timeout"],
-        non2xx=w["status"],
+        **figures,
         cpu=cpu,
-        seconds=w["duration_us"] / 1e6,
         machine_busy=busy,
         redis_cmds=stack.redis_count.read() - cmds0,
     )
@@ -395,11 +383,6 @@ class Summary:
 
 
 def summarize(sc: Scenario, runs: dict[str, list[Run]], extra: dict) -> Summary:
-    def med(rs: list[Run]) -> dict:
-        return {"rps": statistics.median(r.rps for r in rs), "p50": statistics.median(r.p50_ms for r in rs),
-                "p99": statistics.median(r.p99_ms for r in rs), "requests": sum(r.requests for r in rs),
-                "non2xx": sum(r.non2xx for r in rs), "errors": sum(r.errors for r in rs)}
-
     cpu_us, cores, redis_per_rq, keys = {}, {}, {}, {}
     for t, rs in runs.items():
         n = max(1, sum(r.requests for r in rs))
@@ -417,7 +400,7 @@ def summarize(sc: Scenario, runs: dict[str, list[Run]], extra: dict) -> Summary:
                 "max": max((r.keys.get("max", 0) for r in rs), default=0),
                 "sample": [s for r in rs for s in r.keys.get("sample", [])][:5],
             }
-    plain, peer = med(runs["plain"]), med(runs["peer"])
+    plain, peer = medians(runs["plain"]), medians(runs["peer"])
     return Summary(sc, plain, peer, peer["rps"] / plain["rps"] if plain["rps"] else 0.0, cpu_us, cores,
                    redis_per_rq, keys, extra, {t: [asdict(r) for r in rs] for t, rs in runs.items()})
 
