@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gc
 import gzip
 import hashlib
 import json
@@ -93,6 +94,9 @@ class State:
         self.lock = threading.Lock()
         self.seq = 0
         self.executions: list[dict] = []
+        # By key too: a whole suite leaves hundreds of thousands, and a count by key must not
+        # scan them all under the lock every request waits for.
+        self.by_key: dict[str, list[dict]] = {}
 
     def record(self, method: str, path: str, key: str, body: bytes,
                headers: list[list[str]] | None = None, version: str = "") -> dict:
@@ -111,6 +115,11 @@ class State:
                 "version": version,
             }
             self.executions.append(ex)
+            self.by_key.setdefault(key, []).append(ex)
+            if self.seq % 10_000 == 0:
+                # What is kept is kept for good: the collector need not walk it again (a full
+                # collection over a suite's executions would pause every request it walks).
+                gc.freeze()
             return dict(ex)
 
     def select(self, query: dict[str, list[str]]) -> list[dict]:
@@ -138,11 +147,13 @@ class State:
             return d
 
         with self.lock:
-            return [out(ex) for ex in self.executions if match(ex)]
+            pool = self.by_key.get(query["key"][0], []) if "key" in query else self.executions
+            return [out(ex) for ex in pool if match(ex)]
 
     def reset(self) -> None:
         with self.lock:
             self.executions.clear()
+            self.by_key.clear()
 
 
 STATE = State()
