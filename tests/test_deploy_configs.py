@@ -149,8 +149,12 @@ def plugin_configs(doc: dict) -> list[dict]:
             for f in chain["filters"]:
                 for hf in f["typed_config"].get("http_filters", []):
                     if hf["name"] == "envoy.filters.http.wasm":
-                        # The filter, or its ExtensionWithMatcher wrapper (envoy/envoy.yaml).
-                        wasm = hf["typed_config"].get("extension_config", hf)
+                        # The filter, or behind the composite matcher (envoy/envoy.yaml) the one its
+                        # ExecuteFilterAction creates.
+                        wasm = hf
+                        if "xds_matcher" in hf["typed_config"]:
+                            [m] = hf["typed_config"]["xds_matcher"]["matcher_list"]["matchers"]
+                            wasm = m["on_match"]["action"]["typed_config"]["typed_config"]
                         out.append(json.loads(wasm["typed_config"]["config"]["configuration"]["value"]))
     return out
 

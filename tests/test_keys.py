@@ -21,7 +21,7 @@ def test_no_key_runs_every_time(stack):
     for _ in range(3):
         assert_executed(stack.post(path, "{}"), 201)
     assert stack.upstream.count(path=path) == 3
-    # Wrapped in the skip matcher, the filter never sees them: nothing to count.
+    # Behind the composite matcher, the filter is not created for them: nothing to count.
     assert stack.counter("passthrough") == before + (0 if stack.matcher else 3)
 
 

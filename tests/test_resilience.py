@@ -215,7 +215,7 @@ def test_vm_kept_serving(raw_stack):
 def wasm_filters(doc) -> list[dict]:
     found = []
     if isinstance(doc, dict):
-        # The Wasm filter itself (inside an ExtensionWithMatcher wrapper, when wrapped).
+        # The Wasm filter itself (inside the composite matcher's ExecuteFilterAction, when wrapped).
         if "envoy.extensions.filters.http.wasm" in str(doc.get("typed_config", {}).get("@type", "")):
             found.append(doc)
         for v in doc.values():

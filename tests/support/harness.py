@@ -392,29 +392,31 @@ def wasm_filter(plugin_config: dict | str, wasm: str, vm_id: str = "idempotency"
     }
 
 
-# What the shipped configurations wrap the filter in (envoy/envoy.yaml): Envoy skips the filter,
-# without calling it, for a request without an Idempotency-Key or with a method it does not
-# guard; the filter itself then never sees (nor counts) those requests.
+# What the shipped configurations wrap the filter in (envoy/envoy.yaml): Envoy's composite filter
+# creates the filter only for a request with an Idempotency-Key and a method it guards; the
+# filter never sees (nor counts) the others, and they cost no VM context.
 def skip_unless_keyed(wasm: dict, methods: tuple[str, ...] = ("POST", "PATCH")) -> dict:
-    def header(name: str, regex: str) -> dict:
+    def header(name: str, match: dict) -> dict:
         return {"single_predicate": {
             "input": {"name": name, "typed_config": {
                 "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
                 "header_name": name}},
-            "value_match": {"safe_regex": {"google_re2": {}, "regex": regex}}}}
+            "value_match": match}}
 
+    by_method = [header(":method", {"exact": m}) for m in methods]
     return {
         "name": wasm["name"],
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
-            "extension_config": wasm,
+            "extension_config": {"name": "envoy.filters.http.composite", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.composite.v3.Composite"}},
             "xds_matcher": {"matcher_list": {"matchers": [{
-                "predicate": {"or_matcher": {"predicate": [
-                    {"not_matcher": header("idempotency-key", ".*")},
-                    {"not_matcher": header(":method", "|".join(methods))},
-                ]}},
-                "on_match": {"action": {"name": "skip", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3.SkipFilter"}}},
+                "predicate": {"and_matcher": {"predicate": [
+                    header("idempotency-key", {"safe_regex": {"google_re2": {}, "regex": ".*"}}),
+                    {"or_matcher": {"predicate": by_method}} if len(by_method) > 1 else by_method[0]]}},
+                "on_match": {"action": {"name": "guard", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.composite.v3.ExecuteFilterAction",
+                    "typed_config": wasm}}},
             }]}},
         },
     }

@@ -50,8 +50,8 @@ PRE_FILTERS: dict[str, list[dict]] = {
 
 BACKENDS = ["memory", "redis"]
 # The stacks the contract tests run against: each backend, and once more with the filter wrapped
-# as envoy/envoy.yaml ships it (`harness.skip_unless_keyed`: Envoy skips the filter for requests
-# without a key or with an unguarded method) on every listener but `require` (with
+# as envoy/envoy.yaml ships it (`harness.skip_unless_keyed`: Envoy's composite filter creates the
+# filter only for requests with a key and a guarded method) on every listener but `require` (with
 # `require_key` the filter must see requests without a key to refuse them).
 STACKS = {"memory": ("memory", False), "redis": ("redis", False), "redis-matcher": ("redis", True)}
 UNWRAPPABLE = {"require"}
@@ -71,7 +71,7 @@ class Stack:
     idemstore: h.Proc
     idemstore_port: int
     redis: h.Proc | None = None
-    # The filter wrapped in the skip matcher (no `passthrough` counted for requests it skips).
+    # The filter behind the composite matcher (requests it is not created for count no `passthrough`).
     matcher: bool = False
 
     def port(self, listener: str = "default") -> int:
