@@ -30,7 +30,7 @@ use crate::metrics::Metric;
 use crate::problem::LocalResponse;
 use crate::recent::{Cached, Recent};
 use crate::record::Record;
-use crate::store::{Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
+use crate::store::{self, Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
 
 /// The host's clock, read only when a decision needs it.
 pub trait Clock {
@@ -150,6 +150,8 @@ struct Job {
 
 enum Call {
     Store(StoreCall),
+    /// First tries of commits held while another commit was in flight, sent as one `commits`.
+    Batch(Vec<Job>),
     /// Detached execution: the request itself, to the route's cluster.
     Upstream(UpstreamCall),
 }
@@ -162,8 +164,19 @@ impl Job {
             Call::Store(c) => {
                 format!("request {} key {}: store {:?}", self.request_id, prefix(c.key()), c.kind())
             }
+            Call::Batch(items) => format!("store commits of {} requests", items.len()),
             Call::Upstream(c) => format!("request {}: detached call to {}", self.request_id, c.cluster),
         }
+    }
+
+    /// A commit's first try: it may wait for the commit in flight and go with others.
+    fn batchable(&self) -> bool {
+        matches!(self.call, Call::Store(StoreCall::Commit { .. })) && self.attempt == 0 && !self.hand_back
+    }
+
+    /// A callout that counts as the worker's commit in flight.
+    fn commit_flight(&self) -> bool {
+        self.batchable() || matches!(self.call, Call::Batch(_))
     }
 }
 
@@ -182,6 +195,7 @@ impl Answered {
                 CallKind::Commit => Answered::Commit(Err(f)),
                 CallKind::Release => Answered::Release(Err(f)),
             },
+            Call::Batch(_) => Answered::Commit(Err(f)),
             Call::Upstream(_) => Answered::Upstream(Err(f)),
         }
     }
@@ -205,6 +219,10 @@ pub struct Coordinator {
     next_job: u64,
     /// In flight, by the token Envoy gave the callout.
     callouts: HashMap<u32, Job>,
+    /// Commit callouts in flight; while there is one, new commits are held and then go
+    /// together: the store sees one call for many commits under load, and none waits when idle.
+    commit_flights: usize,
+    held: Vec<Job>,
     /// Records recently replayed by this VM, to answer their retries without a store call.
     recent: Recent,
     /// Skips `begin`s while the store fails.
@@ -234,6 +252,8 @@ impl Coordinator {
             dispatching: HashMap::new(),
             next_job: 0,
             callouts: HashMap::new(),
+            commit_flights: 0,
+            held: Vec::new(),
             recent,
             breaker,
             fallback,
@@ -315,14 +335,17 @@ impl Coordinator {
     /// Streams the coordinator still holds (guarded and not finished, or gone with a call
     /// pending), and callouts not yet answered: for tests.
     pub fn pending(&self) -> (usize, usize) {
-        (self.streams.len(), self.outbox.len() + self.dispatching.len() + self.callouts.len())
+        (
+            self.streams.len(),
+            self.outbox.len() + self.held.len() + self.dispatching.len() + self.callouts.len(),
+        )
     }
 
     /// The store calls waiting for a wake-up: what [`Coordinator::on_wake_failed`] would fail.
     pub fn queued(&self) -> impl Iterator<Item = &StoreCall> {
         self.outbox.iter().filter_map(|job| match &job.call {
             Call::Store(call) => Some(call),
-            Call::Upstream(_) => None,
+            Call::Batch(_) | Call::Upstream(_) => None,
         })
     }
 
@@ -427,6 +450,13 @@ impl Coordinator {
             }
             None => {
                 log::warn!("{}: dispatch failed", job.label());
+                if job.commit_flight() {
+                    self.commit_flight_ended(env);
+                }
+                if matches!(job.call, Call::Batch(_)) {
+                    self.batch_answered(job, Err(CalloutFault::Dispatch), env);
+                    return;
+                }
                 let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
                 self.finish(job, outcome, env);
             }
@@ -443,7 +473,19 @@ impl Coordinator {
     ) {
         self.callback = Callback::Root;
         let Some(job) = self.callouts.remove(&token) else { return };
+        if job.commit_flight() {
+            self.commit_flight_ended(env);
+        }
         let outcome = match &job.call {
+            Call::Batch(items) => {
+                if let (Some(sent), Some(now)) = (job.sent_us, env.now_us()) {
+                    let micros = now.saturating_sub(sent);
+                    self.commands.push_back(Command::Latency { kind: CallKind::Commit, micros });
+                }
+                let answer = Answer { headers: &headers, body: &body }.commits(items.len());
+                self.batch_answered(job, answer, env);
+                return;
+            }
             Call::Store(c) => {
                 let now_us = env.now_us();
                 if let (Some(sent), Some(now)) = (job.sent_us, now_us) {
@@ -527,33 +569,126 @@ impl Coordinator {
             return;
         }
         let sent_us = env.now_us();
-        for mut job in jobs {
-            job.sent_us = sent_us;
-            let id = self.next_job;
-            self.next_job += 1;
-            let dispatch = match &mut job.call {
-                Call::Store(call) => {
-                    let c = call.callout(&self.cfg, sent_us.map(|us| us / 1000));
-                    Dispatch {
-                        job: id,
-                        cluster: self.cfg.store_cluster.clone(),
-                        headers: c.headers.into_iter().map(|(n, v)| (n.to_string(), v)).collect(),
-                        body: c.body,
-                        timeout_ms: c.timeout_ms,
-                    }
-                }
-                // The body is not needed again: whatever the answer, it is not resent.
-                Call::Upstream(c) => Dispatch {
-                    job: id,
-                    cluster: c.cluster.clone(),
-                    headers: std::mem::take(&mut c.headers),
-                    body: Some(std::mem::take(&mut c.body)),
-                    timeout_ms: c.timeout_ms,
-                },
-            };
-            self.dispatching.insert(id, job);
-            self.commands.push_back(Command::Dispatch(dispatch));
+        for job in jobs {
+            if job.batchable() && self.commit_flights > 0 {
+                self.held.push(job);
+            } else {
+                self.dispatch(job, sent_us);
+            }
         }
+    }
+
+    /// A commit callout ended: the commits held meanwhile go now, as few calls as the batch
+    /// limits allow.
+    fn commit_flight_ended(&mut self, env: &dyn Env) {
+        self.commit_flights = self.commit_flights.saturating_sub(1);
+        if self.commit_flights > 0 || self.held.is_empty() {
+            return;
+        }
+        let sent_us = env.now_us();
+        let mut batch: Vec<Job> = Vec::new();
+        let mut bytes = 0;
+        for job in std::mem::take(&mut self.held) {
+            let size = match &job.call {
+                Call::Store(StoreCall::Commit { record, .. }) => record.len(),
+                _ => 0,
+            };
+            if !batch.is_empty()
+                && (batch.len() == idem_protocol::MAX_BATCH_ITEMS || bytes + size > store::MAX_BATCH_BYTES)
+            {
+                self.dispatch_batch(std::mem::take(&mut batch), sent_us);
+                bytes = 0;
+            }
+            bytes += size;
+            batch.push(job);
+        }
+        self.dispatch_batch(batch, sent_us);
+    }
+
+    fn dispatch_batch(&mut self, mut items: Vec<Job>, sent_us: Option<u64>) {
+        match items.len() {
+            0 => {}
+            1 => {
+                if let Some(job) = items.pop() {
+                    self.dispatch(job, sent_us);
+                }
+            }
+            _ => {
+                let job = Job {
+                    stream: 0,
+                    request_id: Rc::from("-"),
+                    call: Call::Batch(items),
+                    attempt: 0,
+                    sent_us: None,
+                    hand_back: false,
+                };
+                self.dispatch(job, sent_us);
+            }
+        }
+    }
+
+    /// A `commits` callout ended: each commit in it as if it had been sent alone (a fault of
+    /// the whole call is each one's fault; its retry goes alone). The breaker hears of it once.
+    fn batch_answered(
+        &mut self,
+        job: Job,
+        answer: Result<Vec<Result<CommitOutcome, CalloutFault>>, CalloutFault>,
+        env: &dyn Env,
+    ) {
+        self.observe(true, answer.as_ref().err().copied(), env);
+        let Call::Batch(items) = job.call else { return };
+        match answer {
+            Ok(outcomes) => {
+                for (item, outcome) in items.into_iter().zip(outcomes) {
+                    self.settle(item, Answered::Commit(outcome), env);
+                }
+            }
+            Err(fault) => {
+                for item in items {
+                    self.settle(item, Answered::Commit(Err(fault)), env);
+                }
+            }
+        }
+    }
+
+    /// Hands a callout to the host.
+    fn dispatch(&mut self, mut job: Job, sent_us: Option<u64>) {
+        if job.commit_flight() {
+            self.commit_flights += 1;
+        }
+        job.sent_us = sent_us;
+        let id = self.next_job;
+        self.next_job += 1;
+        let store_callout = |c: store::Callout| Dispatch {
+            job: id,
+            cluster: self.cfg.store_cluster.clone(),
+            headers: c.headers.into_iter().map(|(n, v)| (n.to_string(), v)).collect(),
+            body: c.body,
+            timeout_ms: c.timeout_ms,
+        };
+        let dispatch = match &mut job.call {
+            Call::Store(call) => store_callout(call.callout(&self.cfg, sent_us.map(|us| us / 1000))),
+            Call::Batch(items) => {
+                let calls: Vec<&StoreCall> = items
+                    .iter()
+                    .filter_map(|j| match &j.call {
+                        Call::Store(c) => Some(c),
+                        _ => None,
+                    })
+                    .collect();
+                store_callout(store::batch_callout(&self.cfg, &calls))
+            }
+            // The body is not needed again: whatever the answer, it is not resent.
+            Call::Upstream(c) => Dispatch {
+                job: id,
+                cluster: c.cluster.clone(),
+                headers: std::mem::take(&mut c.headers),
+                body: Some(std::mem::take(&mut c.body)),
+                timeout_ms: c.timeout_ms,
+            },
+        };
+        self.dispatching.insert(id, job);
+        self.commands.push_back(Command::Dispatch(dispatch));
     }
 
     /// Queues a callout: dispatched at once in a root callback, else after a wake-up.
@@ -571,11 +706,16 @@ impl Coordinator {
 
     /// Acts on the end of a callout, whether it answered or could not be sent.
     fn finish(&mut self, job: Job, outcome: Answered, env: &dyn Env) {
-        let mut effects = Vec::new();
+        self.observe(matches!(job.call, Call::Store(_)), outcome.store_fault(), env);
+        self.settle(job, outcome, env);
+    }
+
+    /// Tells the breaker how a store call ended (`fault`: how it failed).
+    fn observe(&mut self, store_call: bool, fault: Option<CalloutFault>, env: &dyn Env) {
         // Only what costs a request its wait counts: an answer, or a timeout (a store that hangs).
         // A fast failure (reset, refused, no healthy host, garbage) fails open at once anyway.
-        let timed_out = matches!(outcome.store_fault(), Some(CalloutFault::Timeout));
-        if matches!(job.call, Call::Store(_)) && (timed_out || outcome.store_fault().is_none()) {
+        let timed_out = matches!(fault, Some(CalloutFault::Timeout));
+        if store_call && (timed_out || fault.is_none()) {
             let now_ms = if timed_out { env.now_us().map(|us| us / 1000) } else { None };
             if self.breaker.record(!timed_out, now_ms) {
                 log::warn!(
@@ -585,6 +725,11 @@ impl Coordinator {
                 );
             }
         }
+    }
+
+    /// What the end of a callout means for its stream, its lock and the local fallback.
+    fn settle(&mut self, job: Job, outcome: Answered, env: &dyn Env) {
+        let mut effects = Vec::new();
         if job.hand_back {
             self.hand_back_answered(&job, &outcome, env);
             return;

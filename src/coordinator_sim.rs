@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use idem_protocol as proto;
+use idem_protocol::CommitOutcome;
 
 use crate::config::Config;
 use crate::coordinator::{Clock, Command, Coordinator, Dispatch, Stepped};
@@ -58,6 +59,8 @@ pub struct Tally {
     pub local_answers: u32,
     pub locks: u32,
     pub commits: u32,
+    /// `commits` callouts answered (first tries of commits held while one was in flight).
+    pub batches: u32,
     pub releases: u32,
     pub faults: u32,
     pub dispatch_failures: u32,
@@ -88,6 +91,7 @@ impl Tally {
             (&mut self.local_answers, o.local_answers),
             (&mut self.locks, o.locks),
             (&mut self.commits, o.commits),
+            (&mut self.batches, o.batches),
             (&mut self.releases, o.releases),
             (&mut self.faults, o.faults),
             (&mut self.dispatch_failures, o.dispatch_failures),
@@ -298,6 +302,32 @@ type Message = (Vec<(String, Vec<u8>)>, Vec<u8>);
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
     headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+}
+
+/// The commits of a `commits` callout: key, token, body hash, record.
+type Item = (String, String, String, Vec<u8>);
+
+fn batch_items(call: &Dispatch) -> Vec<Item> {
+    if header(&call.headers, ":path") != Some(proto::PATH_COMMITS) {
+        return vec![];
+    }
+    let body = call.body.as_deref().unwrap_or_default();
+    proto::decode_batch(body)
+        .map(|items| {
+            items
+                .into_iter()
+                .map(|i| (i.key.into(), i.token.into(), i.body_hash.into(), body[i.record].to_vec()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Every store key a callout concerns.
+fn call_keys(call: &Dispatch) -> Vec<String> {
+    match batch_items(call) {
+        items if !items.is_empty() => items.into_iter().map(|(key, ..)| key).collect(),
+        _ => vec![call_key(call).to_string()],
+    }
 }
 
 fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
@@ -777,7 +807,7 @@ impl World {
                     self.trace.push(format!("  dispatch failed: {}", describe(&call)));
                     self.note_end(&call, false)?;
                     if let Scope::Keys(keys) = &mut self.scope {
-                        keys.push(call_key(&call).to_string());
+                        keys.extend(call_keys(&call));
                     }
                     None
                 } else {
@@ -827,6 +857,10 @@ impl World {
         if fault > 0 {
             self.tally.faults += 1;
         }
+        let items = batch_items(&call);
+        if !items.is_empty() {
+            return self.answer_batch(token, items, fault);
+        }
         self.note_end(&call, fault == 0)?;
         let key = call_key(&call).to_string();
         let (headers, body) = if call.cluster == self.cfg.store_cluster {
@@ -853,6 +887,37 @@ impl World {
         }
         self.callback = Callback::Root;
         self.scope = Scope::Keys(vec![key]);
+        self.coord.on_callout_answer(token, headers, body, &self.clock);
+        self.commands()
+    }
+
+    /// Answers a `commits` callout: each commit as idemstore would, one now and then not done
+    /// (`failed`), or the whole call faulted.
+    fn answer_batch(&mut self, token: u32, items: Vec<Item>, fault: u64) -> Result<(), String> {
+        let mut outcomes = Vec::new();
+        for (key, lock, body_hash, record) in &items {
+            // Not done: neither processed nor a lock ended (the filter tries it again).
+            let failed = fault == 1 || fault == 0 && self.rng.chance(self.fault_rate);
+            self.note_lock_end(true, key, lock, fault == 0 && !failed)?;
+            if failed {
+                outcomes.push(None);
+                continue;
+            }
+            let retention_us = self.cfg.retention_seconds * 1_000_000;
+            outcomes.push(Some(self.commit_one(key, lock, body_hash, record.clone(), retention_us)));
+        }
+        let (headers, body) = match fault {
+            0 => (pairs(&[(":status", "200"), (proto::HEADER_OUTCOME, proto::BATCH_OUTCOME)]), {
+                proto::encode_batch_answer(&outcomes)
+            }),
+            1 => (vec![], vec![]),
+            2 => (pairs(&[(":status", "504")]), vec![]),
+            _ => (pairs(&[(":status", "200")]), vec![]),
+        };
+        self.tally.batches += 1;
+        self.trace.push(format!("answer {token} (fault {fault}): {} commits", items.len()));
+        self.callback = Callback::Root;
+        self.scope = Scope::Keys(items.into_iter().map(|(key, ..)| key).collect());
         self.coord.on_callout_answer(token, headers, body, &self.clock);
         self.commands()
     }
@@ -907,6 +972,9 @@ impl World {
     /// A commit or release the filter sent (or tried to): it must name a lock the filter was
     /// granted, for its key, not yet ended. `answered`: the filter reads the store's answer.
     fn note_end(&mut self, call: &Dispatch, answered: bool) -> Result<(), String> {
+        for (key, token, ..) in batch_items(call) {
+            self.note_lock_end(true, &key, &token, answered)?;
+        }
         let path = header(&call.headers, ":path").unwrap_or_default();
         let token = header(&call.headers, proto::HEADER_TOKEN).unwrap_or_default();
         let ends = match path {
@@ -944,21 +1012,54 @@ impl World {
         }
     }
 
+    /// What idemstore does with one commit (the lock ends whoever holds it).
+    fn commit_one(
+        &mut self,
+        key: &str,
+        token: &str,
+        body_hash: &str,
+        bytes: Vec<u8>,
+        retention_us: u64,
+    ) -> CommitOutcome {
+        let now = self.clock.0.get();
+        self.expire(key);
+        let owned = matches!(self.store.get(key), Some(Stored::Lock { token: t, .. }) if *t == token);
+        if matches!(self.store.get(key), Some(Stored::Record { .. })) {
+            return CommitOutcome::Exists;
+        }
+        let stored =
+            Stored::Record { body_hash: body_hash.to_string(), bytes, expires_us: now + retention_us };
+        self.store.insert(key.to_string(), stored);
+        self.tally.commits += 1;
+        if owned {
+            CommitOutcome::Stored
+        } else {
+            CommitOutcome::Late
+        }
+    }
+
+    /// Forgets what the store holds for `key` if it has expired.
+    fn expire(&mut self, key: &str) {
+        let now = self.clock.0.get();
+        let live = match self.store.get(key) {
+            Some(Stored::Lock { expires_us, .. } | Stored::Record { expires_us, .. }) => *expires_us > now,
+            None => return,
+        };
+        if !live {
+            if matches!(self.store.get(key), Some(Stored::Record { .. })) {
+                self.tally.expired_records += 1;
+            }
+            self.store.remove(key);
+        }
+    }
+
     /// What idemstore does with a call, and its answer. `delivered`: the filter will read the
     /// answer (a lock it grants is then the filter's to end).
     fn store_answers(&mut self, call: &Dispatch, delivered: bool) -> Result<Message, String> {
         let now = self.clock.0.get();
         let h = |name| header(&call.headers, name).unwrap_or_default().to_string();
         let key = h(proto::HEADER_KEY);
-        let live = |s: &Stored| match s {
-            Stored::Lock { expires_us, .. } | Stored::Record { expires_us, .. } => *expires_us > now,
-        };
-        if self.store.get(&key).is_some_and(|s| !live(s)) {
-            if matches!(self.store.get(&key), Some(Stored::Record { .. })) {
-                self.tally.expired_records += 1;
-            }
-            self.store.remove(&key);
-        }
+        self.expire(&key);
         let outcome = |o: &str| vec![(":status", "200".to_string()), (proto::HEADER_OUTCOME, o.to_string())];
         let late =
             h(proto::HEADER_DEADLINE_MS).parse::<u64>().is_ok_and(|deadline_ms| now / 1000 >= deadline_ms);
@@ -1004,19 +1105,12 @@ impl World {
                         self.tally.releases += 1;
                     }
                     (outcome(if owned { "released" } else { "not-owner" }), vec![])
-                } else if matches!(self.store.get(&key), Some(Stored::Record { .. })) {
-                    (outcome("exists"), vec![])
                 } else {
                     let retention_us = h(proto::HEADER_RETENTION_S).parse::<u64>().unwrap_or(0) * 1_000_000;
                     let bytes = call.body.clone().unwrap_or_default();
-                    let stored = Stored::Record {
-                        body_hash: h(proto::HEADER_BODY_HASH),
-                        bytes,
-                        expires_us: now + retention_us,
-                    };
-                    self.store.insert(key.clone(), stored);
-                    self.tally.commits += 1;
-                    (outcome(if owned { "stored" } else { "late" }), vec![])
+                    let done =
+                        self.commit_one(&key, &token, &h(proto::HEADER_BODY_HASH), bytes, retention_us);
+                    (outcome(done.as_str()), vec![])
                 }
             }
             other => return self.violation(format!("a store call to {other}")),

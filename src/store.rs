@@ -117,6 +117,32 @@ impl StoreCall {
     }
 }
 
+/// Commits sent together (`commits`): at most this many bytes of records per call, below
+/// idemstore's default body limit (8 MiB) with room to spare; a bigger record goes alone.
+pub const MAX_BATCH_BYTES: usize = 1024 * 1024;
+
+/// One `commits` callout for these commits (each a [`StoreCall::Commit`]; anything else is left
+/// out, as no caller sends one).
+pub fn batch_callout(cfg: &Config, commits: &[&StoreCall]) -> Callout {
+    let mut headers = vec![
+        (":method", "POST".to_string()),
+        (":path", proto::PATH_COMMITS.to_string()),
+        (":authority", cfg.store_cluster.clone()),
+    ];
+    if let Some(secret) = &cfg.store_secret {
+        headers.push((proto::HEADER_SECRET, secret.as_str().to_string()));
+    }
+    headers.push((proto::HEADER_RETENTION_S, cfg.retention_seconds.to_string()));
+    headers.push(("content-type", "application/octet-stream".to_string()));
+    let mut body = Vec::new();
+    for call in commits {
+        if let StoreCall::Commit { key, token, body_hash, record } = call {
+            proto::encode_batch_item(&mut body, key, token, body_hash, record);
+        }
+    }
+    Callout { headers, body: Some(body), timeout_ms: cfg.store_timeout_ms }
+}
+
 /// Why an HTTP callout gave no usable answer: a store call, or a detached execution's call to
 /// the upstream (see `detached`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -234,6 +260,17 @@ impl Answer<'_> {
         CommitOutcome::parse(self.outcome()?).ok_or(CalloutFault::Garbage("unknown outcome"))
     }
 
+    /// A `commits` answer for `n` items: each item's outcome (one the store did not do is a
+    /// `503`, as its own `commit` would have answered), or the fault of the whole call.
+    pub fn commits(&self, n: usize) -> Result<Vec<Result<CommitOutcome, CalloutFault>>, CalloutFault> {
+        if self.outcome()? != proto::BATCH_OUTCOME.as_bytes() {
+            return Err(CalloutFault::Garbage("unknown outcome"));
+        }
+        let outcomes =
+            proto::decode_batch_answer(self.body, n).ok_or(CalloutFault::Garbage("bad batch answer"))?;
+        Ok(outcomes.into_iter().map(|o| o.ok_or(CalloutFault::Status(503))).collect())
+    }
+
     pub fn release(&self) -> Result<ReleaseOutcome, CalloutFault> {
         ReleaseOutcome::parse(self.outcome()?).ok_or(CalloutFault::Garbage("unknown outcome"))
     }
@@ -286,6 +323,38 @@ mod tests {
         let release = StoreCall::Release { key: k, token: "t".into() }.callout(&cfg(), None);
         assert!(release.headers.contains(&(":path", "/v1/release".into())));
         assert!(release.headers.contains(&(proto::HEADER_TOKEN, "t".into())));
+    }
+
+    #[test]
+    fn commits_go_in_one_callout_and_their_answers_come_back_in_order() {
+        let commit = |k: char, record: &[u8]| StoreCall::Commit {
+            key: k.to_string().repeat(64),
+            token: format!("t{k}"),
+            body_hash: "b".repeat(64),
+            record: record.to_vec(),
+        };
+        let (one, two) = (commit('a', b"r1"), commit('c', b"r\n2"));
+        let c = batch_callout(&cfg(), &[&one, &two]);
+        assert!(c.headers.contains(&(":path", proto::PATH_COMMITS.into())));
+        assert!(c.headers.contains(&(proto::HEADER_RETENTION_S, "86400".into())));
+        assert_eq!(c.timeout_ms, 700);
+        let body = c.body.unwrap();
+        let items = proto::decode_batch(&body).unwrap();
+        assert_eq!(items.len(), 2);
+        assert_eq!((items[1].key, items[1].token), ("c".repeat(64).as_str(), "tc"));
+        assert_eq!(&body[items[1].record.clone()], b"r\n2");
+
+        let h = answer("200", Some("batch"), &[]);
+        let a = Answer { headers: &h, body: b"stored\nfailed" };
+        assert_eq!(a.commits(2), Ok(vec![Ok(CommitOutcome::Stored), Err(CalloutFault::Status(503))]));
+        assert_eq!(a.commits(3), Err(CalloutFault::Garbage("bad batch answer")));
+        let wrong = answer("200", Some("stored"), &[]);
+        assert_eq!(
+            Answer { headers: &wrong, body: b"stored" }.commits(1),
+            Err(CalloutFault::Garbage("unknown outcome"))
+        );
+        let timeout = answer("504", None, &[]);
+        assert_eq!(Answer { headers: &timeout, body: b"" }.commits(1), Err(CalloutFault::Timeout));
     }
 
     #[test]

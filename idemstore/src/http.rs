@@ -13,13 +13,16 @@
 //!    even routing (so an unknown path without the secret is `401`, not `404`);
 //! 3. routing: an unknown path is `404`, a known path with another method `405`;
 //! 4. the body: none at all on `begin` and `release` (`413`), at most
-//!    [`Options::max_body_bytes`] on `commit` (`413`, nothing stored);
+//!    [`Options::max_body_bytes`] on `commit` and `commits` (`413`, nothing stored);
 //! 5. every protocol header, each exactly once and well-formed, else `400` naming it; `commit`
-//!    also needs a non-empty record.
+//!    also needs a non-empty record, `commits` a well-formed body ([`proto::decode_batch`]:
+//!    1 to [`proto::MAX_BATCH_ITEMS`] items, each checked as `commit` checks its headers), else
+//!    `400` naming the first bad item and nothing is committed.
 //!
 //! Each refusal counts in `idemstore_rejected_total` by its reason; a request past them counts
 //! in `idemstore_requests_total` and `idemstore_request_duration_seconds` (see
-//! [`crate::metrics`]), served by `GET /metrics` on the same listener.
+//! [`crate::metrics`]), served by `GET /metrics` on the same listener. Each item of a `commits`
+//! counts there as the `commit` it stands for.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -47,7 +50,8 @@ pub const PATH_METRICS: &str = "/metrics";
 /// How the HTTP layer protects the store.
 #[derive(Debug, Clone)]
 pub struct Options {
-    /// Largest record `commit` accepts; larger bodies get `413`.
+    /// Largest record `commit` accepts, and largest body (all its items) `commits` accepts;
+    /// larger bodies get `413`.
     pub max_body_bytes: usize,
     /// Required in `x-idem-secret` on every request but `GET /healthz` and `GET /metrics`,
     /// which stay open. The health check tells nothing but that this process and its backend
@@ -152,10 +156,12 @@ async fn authorize<B: Backend>(State(gate): State<Gate<B>>, request: Request, ne
 
 pub fn router<B: Backend>(store: Arc<Store<B>>, options: Options) -> Router {
     // `begin` and `release` take no body: one would be a client bug or a way to make us buffer.
+    // `commit` and `commits` get the router-wide limit below.
     let no_body = || DefaultBodyLimit::max(0);
     let router = Router::new()
         .route(proto::PATH_BEGIN, post(begin::<B>).layer(no_body()))
         .route(proto::PATH_COMMIT, post(commit::<B>))
+        .route(proto::PATH_COMMITS, post(commits::<B>))
         .route(proto::PATH_RELEASE, post(release::<B>).layer(no_body()))
         .route(proto::PATH_HEALTH, get(health::<B>))
         .route(PATH_METRICS, get(scrape::<B>))
@@ -428,6 +434,64 @@ async fn commit<B: Backend>(
             Error::from(e).into_response()
         }
     }
+}
+
+/// `commits`' validated retention and body; the items are decoded from the body by the caller,
+/// as they borrow it.
+fn commits_args(
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(Duration, Bytes), Error> {
+    let body = body?;
+    let retention = Duration::from_secs(bounded(headers, proto::HEADER_RETENTION_S, proto::MAX_RETENTION_S)?);
+    Ok((retention, body))
+}
+
+/// Many commits in one call: every item is validated before any is committed (a bad one is a
+/// `400` naming it, nothing done), then all are committed at once, each as its own `commit`
+/// would be, counted and timed as one. Concurrent, not one after the other: on Redis, the
+/// connection pipelines the scripts, so the batch costs about one Redis round trip. An item
+/// whose commit fails answers `failed` and the others stand.
+///
+/// Items may share a key: each is its own commit, in the order they reach the backend.
+async fn commits<B: Backend>(
+    State(store): State<Arc<Store<B>>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let (retention, body) = match commits_args(&headers, body) {
+        Ok(args) => args,
+        Err(e) => return refused(&store, e),
+    };
+    let items = match proto::decode_batch(&body) {
+        Ok(items) => items,
+        Err(why) => return refused(&store, Error::BadRequest(format!("malformed batch: {why}"))),
+    };
+    store.metrics().batch(items.len());
+    // Every timer is started here, before the first await: a caller gone mid-batch counts
+    // each item not yet answered as `cancelled`, as many `commit`s would.
+    let pending = items.iter().enumerate().map(|(i, item)| {
+        let timer = store.metrics().timer(Op::Commit, started);
+        let (store, record) = (&store, body.slice(item.record.clone()));
+        async move {
+            match store.commit(item.key, item.token, item.body_hash, record, retention).await {
+                Ok(outcome) => {
+                    timer.answered(Outcome::Commit(outcome));
+                    Some(outcome)
+                }
+                Err(e) => {
+                    timer.failed(&e);
+                    tracing::warn!(error = %e, item = i, "store operation failed (batched commit)");
+                    None
+                }
+            }
+        }
+    });
+    let outcomes = futures_util::future::join_all(pending).await;
+    let mut response = answer(proto::BATCH_OUTCOME);
+    *response.body_mut() = proto::encode_batch_answer(&outcomes).into();
+    response
 }
 
 /// The body is always empty, as for `begin`.

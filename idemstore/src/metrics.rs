@@ -10,6 +10,8 @@
 //! | `idemstore_backend_errors_total` | counter | `op`, `reason` | backend failures answered `503` |
 //! | `idemstore_rejected_total` | counter | `reason` | requests refused before the backend |
 //! | `idemstore_backend_up` | gauge | | whether the backend answered its health check at the scrape |
+//! | `idemstore_commit_batches_total` | counter | | `commits` calls that got past validation (each item also counts as a `commit` above) |
+//! | `idemstore_commit_batch_items_total` | counter | | the items of those calls |
 //! | `idemstore_memory_keys`, `_bytes`, `_max_keys`, `_max_bytes` | gauge | | in-memory backend only |
 //!
 //! Every series a request can touch is created when the store is, and its handle kept: the
@@ -120,10 +122,11 @@ impl Outcome {
 pub enum Rejection {
     /// `401`: missing, repeated or wrong `x-idem-secret`.
     Secret,
-    /// `400`: a missing, repeated or malformed protocol header, an empty record, or a body
-    /// that could not be read.
+    /// `400`: a missing, repeated or malformed protocol header, an empty record, a malformed
+    /// `commits` body, or a body that could not be read.
     Invalid,
-    /// `413`: a body on `begin`/`release`, or a record over `--max-body-bytes`.
+    /// `413`: a body on `begin`/`release`, or a record (a `commits` body) over
+    /// `--max-body-bytes`.
     TooLarge,
 }
 
@@ -209,6 +212,8 @@ pub struct Metrics {
     begin_wait: Histogram,
     waiters: Gauge,
     backend_up: Gauge,
+    commit_batches: Counter,
+    commit_batch_items: Counter,
     memory: Option<MemoryGauges>,
 }
 
@@ -284,6 +289,20 @@ impl Metrics {
             backend_up.clone(),
         );
 
+        let commit_batches = Counter::default();
+        registry.register(
+            "commit_batches",
+            "Commits calls (several commits in one request) that got past validation; each of their \
+             items also counts in requests_total as a commit",
+            commit_batches.clone(),
+        );
+        let commit_batch_items = Counter::default();
+        registry.register(
+            "commit_batch_items",
+            "Items of the commits calls counted in commit_batches",
+            commit_batch_items.clone(),
+        );
+
         let memory = memory.then(|| {
             let gauges = MemoryGauges {
                 keys: Gauge::default(),
@@ -317,13 +336,30 @@ impl Metrics {
             gauges
         });
 
-        Self { registry, ops, rejected, begin_wait, waiters, backend_up, memory }
+        Self {
+            registry,
+            ops,
+            rejected,
+            begin_wait,
+            waiters,
+            backend_up,
+            commit_batches,
+            commit_batch_items,
+            memory,
+        }
     }
 
     /// Starts timing an operation that got past validation, from `started` (the request's
     /// arrival). Dropped without an answer, it counts as `cancelled`.
     pub fn timer(&self, op: Op, started: Instant) -> Timer<'_> {
         Timer { series: &self.ops[op as usize], started, open: true }
+    }
+
+    /// Counts a `commits` call that got past validation, with its `items` (each also timed as a
+    /// `commit` of its own, [`Self::timer`]).
+    pub fn batch(&self, items: usize) {
+        self.commit_batches.inc();
+        self.commit_batch_items.inc_by(u64::try_from(items).unwrap_or(u64::MAX));
     }
 
     /// Counts a request refused before the backend.
@@ -430,6 +466,8 @@ mod tests {
             "# TYPE idemstore_backend_errors_total counter",
             "# TYPE idemstore_rejected_total counter",
             "# TYPE idemstore_backend_up gauge",
+            "# TYPE idemstore_commit_batches_total counter",
+            "# TYPE idemstore_commit_batch_items_total counter",
             "# TYPE idemstore_memory_keys gauge",
             "# TYPE idemstore_memory_bytes gauge",
             "# TYPE idemstore_memory_max_keys gauge",
@@ -448,6 +486,8 @@ mod tests {
             "idemstore_rejected_total{reason=\"too_large\"} 0",
             "idemstore_waiters 0",
             "idemstore_backend_up 1",
+            "idemstore_commit_batches_total 0",
+            "idemstore_commit_batch_items_total 0",
             "idemstore_memory_keys 3",
             "idemstore_memory_bytes 7",
             "idemstore_memory_max_keys 10",
@@ -475,6 +515,8 @@ mod tests {
         metrics.timer(Op::Begin, now).answered(Outcome::Begin(BeginOutcome::Locked));
         metrics.timer(Op::Commit, now).failed(&BackendError::Full);
         drop(metrics.timer(Op::Release, now));
+        metrics.batch(3);
+        metrics.batch(64);
         {
             let _waiting = metrics.wait();
             assert_eq!(metrics.waiters.get(), 1);
@@ -490,6 +532,8 @@ mod tests {
             "idemstore_request_duration_seconds_count{op=\"commit\"} 1",
             "idemstore_request_duration_seconds_count{op=\"release\"} 1",
             "idemstore_begin_wait_seconds_count 1",
+            "idemstore_commit_batches_total 2",
+            "idemstore_commit_batch_items_total 67",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
         }

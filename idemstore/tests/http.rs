@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::client::{serve, serve_with, Client, Version};
+use common::client::{batch_body, serve, serve_store, serve_with, Client, Version};
 use hyper::StatusCode;
 use idem_protocol as proto;
 use idemstore::backend::memory::MemoryBackend;
+use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome};
 use idemstore::http::{Options, SecretCheck};
 use idemstore::secret::Secret;
 use idemstore::store::Store;
@@ -215,6 +216,9 @@ async fn secret_required(version: Version) {
     refused.push(bare.call("POST", proto::PATH_COMMIT, &commit, Bytes::from(vec![b'x'; 4096])).await);
     let release = [(proto::HEADER_KEY, key.as_str()), (proto::HEADER_TOKEN, "t")];
     refused.push(bare.call("POST", proto::PATH_RELEASE, &release, Bytes::new()).await);
+    let batch = batch_body(&[(&key, "t", &hash, b"rec")]);
+    refused.push(bare.commits(batch.clone()).await);
+    refused.push(bare.with_secret(Some("wrong")).commits(batch.clone()).await);
     refused.push(bare.call("POST", "/v1/nope", &[], Bytes::new()).await);
     refused.push(bare.call("GET", proto::PATH_BEGIN, &[], Bytes::new()).await);
     for reply in &refused {
@@ -237,6 +241,7 @@ async fn secret_required(version: Version) {
     let stored = right.commit(&key, &locked.token(), &hash, Bytes::from_static(b"rec")).await;
     assert_eq!(stored.outcome(), "stored");
     assert_eq!(right.begin(&key, &hash, "1").await.body, Bytes::from_static(b"rec"));
+    assert_eq!(right.commits(batch).await.batch(1), [Some(CommitOutcome::Exists)]);
     assert_eq!(right.call("POST", "/v1/nope", &[], Bytes::new()).await.status, StatusCode::NOT_FOUND);
     assert_eq!(
         right.call("GET", proto::PATH_BEGIN, &[], Bytes::new()).await.status,
@@ -486,4 +491,138 @@ async fn a_begin_past_its_deadline_takes_no_lock() {
         assert_eq!(client.begin(&key, &hash, "0").await.outcome(), "busy");
         assert_eq!(client.release(&key, &locked.token()).await.outcome(), "released");
     }
+}
+
+/// `commits`: a malformed body (no items, a bad item anywhere, a record cut short, more than
+/// 64 items), a missing, repeated or malformed retention, or a body over the limit is refused
+/// as a whole (`400` naming what is wrong, or `413`) and commits nothing, not even its valid
+/// items; 64 items are fine.
+#[tokio::test]
+async fn bad_batches_commit_nothing() {
+    let backend = MemoryBackend::new(1000);
+    let addr = serve_with(backend.clone(), Options::new(64 * 1024)).await;
+    let (key, hash) = (common::key(), common::hash('a'));
+    let valid: (&str, &str, &str, &[u8]) = (&key, "tok", &hash, b"rec\n\0");
+    let upper = common::key().to_uppercase();
+    let many: Vec<String> = (0..=proto::MAX_BATCH_ITEMS).map(|_| common::key()).collect();
+    let items = |n: usize| -> Vec<(&str, &str, &str, &[u8])> {
+        many[..n].iter().map(|k| (k.as_str(), "tok", hash.as_str(), &b"r"[..])).collect()
+    };
+    let cut = {
+        let mut body = batch_body(&[valid]).to_vec();
+        body.pop();
+        Bytes::from(body)
+    };
+    let joined = |tail: &[u8]| Bytes::from([&batch_body(&[valid])[..], tail].concat());
+    let bodies: Vec<(&str, Bytes, &str)> = vec![
+        ("no items", Bytes::new(), "no items"),
+        ("a bad key", batch_body(&[(&upper, "tok", &hash, b"r")]), "item 0"),
+        ("a bad key after a good item", batch_body(&[valid, (&upper, "tok", &hash, b"r")]), "item 1"),
+        ("a bad token", batch_body(&[valid, (&key, "a.b", &hash, b"r")]), "item 1: malformed token"),
+        ("a bad hash", batch_body(&[valid, (&key, "tok", &hash[1..], b"r")]), "item 1"),
+        ("an empty record", joined(format!("{key} tok {hash} 0\n").as_bytes()), "item 1: the record length"),
+        ("a record cut short", cut, "item 0: cut short"),
+        (
+            "a second record cut short",
+            joined(format!("{key} tok {hash} 5\nabc").as_bytes()),
+            "item 1: cut short",
+        ),
+        ("no item line", joined(b"garbage"), "item 1: no item line"),
+        ("65 items", batch_body(&items(proto::MAX_BATCH_ITEMS + 1)), "more than 64 items"),
+    ];
+    let retention_max = (proto::MAX_RETENTION_S + 1).to_string();
+    for version in [Version::H1, Version::H2c] {
+        let client = Client::new(addr, version).await;
+        for (what, body, why) in &bodies {
+            let reply = client.commits(body.clone()).await;
+            let text = String::from_utf8_lossy(&reply.body);
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{what}: {text}");
+            assert!(text.contains(why), "{what}: {text}");
+            assert!(reply.outcome().is_empty(), "{what}");
+        }
+        let good = batch_body(&[valid]);
+        let mut retentions: Vec<Vec<(&str, &str)>> =
+            vec![vec![], vec![(proto::HEADER_RETENTION_S, "60"), (proto::HEADER_RETENTION_S, "60")]];
+        for bad in ["", "0", "-1", "1.5", "abc", retention_max.as_str()] {
+            retentions.push(vec![(proto::HEADER_RETENTION_S, bad)]);
+        }
+        for headers in &retentions {
+            let reply = client.call("POST", proto::PATH_COMMITS, headers, good.clone()).await;
+            let text = String::from_utf8_lossy(&reply.body);
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{headers:?}: {text}");
+            assert!(text.contains(proto::HEADER_RETENTION_S), "{headers:?}: {text}");
+        }
+        let big = batch_body(&[valid, (&key, "tok", &hash, &vec![b'x'; 64 * 1024])]);
+        assert_eq!(client.commits(big).await.status, StatusCode::PAYLOAD_TOO_LARGE);
+        let get = client.call("GET", proto::PATH_COMMITS, &[], Bytes::new()).await;
+        assert_eq!(get.status, StatusCode::METHOD_NOT_ALLOWED);
+        assert!(backend.is_empty(), "a refused batch reached the backend: {} keys", backend.len());
+    }
+    // Nothing was stored for the key: it is free.
+    let client = Client::new(addr, Version::H2c).await;
+    assert_eq!(client.begin(&key, &hash, "0").await.outcome(), "locked");
+
+    // The most items a batch may have: all committed (no lock: `late`), in order.
+    let full = client.commits(batch_body(&items(proto::MAX_BATCH_ITEMS))).await;
+    assert_eq!(full.batch(proto::MAX_BATCH_ITEMS), vec![Some(CommitOutcome::Late); proto::MAX_BATCH_ITEMS]);
+    for k in &many[..proto::MAX_BATCH_ITEMS] {
+        assert_eq!(&client.begin(k, &hash, "0").await.body[..], b"r");
+    }
+}
+
+/// A backend whose commits each wait until `n` of them are under way at once (or fail after
+/// 5 s): a batch of `n` succeeds only if its items are committed concurrently.
+#[derive(Debug, Clone)]
+struct Rendezvous {
+    n: usize,
+    started: Arc<std::sync::atomic::AtomicUsize>,
+    all_in: Arc<tokio::sync::Notify>,
+}
+
+impl Backend for Rendezvous {
+    async fn try_begin(&self, _: &str, _: &str, _: &str, _: Duration) -> idemstore::backend::Result<Attempt> {
+        Ok(Attempt::Locked)
+    }
+
+    async fn commit(
+        &self,
+        _: &str,
+        _: &str,
+        _: &str,
+        _: Bytes,
+        _: Duration,
+    ) -> idemstore::backend::Result<CommitOutcome> {
+        let all_in = self.all_in.notified();
+        if self.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 >= self.n {
+            self.all_in.notify_waiters();
+            return Ok(CommitOutcome::Stored);
+        }
+        match tokio::time::timeout(Duration::from_secs(5), all_in).await {
+            Ok(()) => Ok(CommitOutcome::Stored),
+            Err(_) => Err(BackendError::Unavailable("alone".into())),
+        }
+    }
+
+    async fn release(&self, _: &str, _: &str) -> idemstore::backend::Result<ReleaseOutcome> {
+        Ok(ReleaseOutcome::Released)
+    }
+
+    async fn health(&self) -> idemstore::backend::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn batch_items_are_committed_concurrently() {
+    let n = 40;
+    let backend = Rendezvous { n, started: Default::default(), all_in: Default::default() };
+    let addr = serve_store(Arc::new(Store::new(backend)), Options::new(64 * 1024)).await;
+    let client = Client::new(addr, Version::H2c).await;
+    let (keys, hash): (Vec<String>, String) = ((0..n).map(|_| common::key()).collect(), common::hash('a'));
+    let items: Vec<(&str, &str, &str, &[u8])> =
+        keys.iter().map(|k| (k.as_str(), "tok", hash.as_str(), &b"r"[..])).collect();
+    let started = Instant::now();
+    let reply = client.commits(batch_body(&items)).await;
+    assert_eq!(reply.batch(n), vec![Some(CommitOutcome::Stored); n]);
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
 }

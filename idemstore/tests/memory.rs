@@ -44,6 +44,11 @@ async fn lock_remaining_over_http() {
 }
 
 #[tokio::test]
+async fn batch_commit_over_http() {
+    common::batch_commit_over_http(Arc::new(store())).await;
+}
+
+#[tokio::test]
 async fn mismatch() {
     common::mismatch(&store()).await;
 }

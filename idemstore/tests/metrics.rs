@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::client::{serve_store, serve_with, Client, Version};
+use common::client::{batch_body, serve_store, serve_with, Client, Version};
 use hyper::StatusCode;
 use idem_protocol as proto;
-use idemstore::backend::memory::MemoryBackend;
+use idemstore::backend::memory::{MemoryBackend, ENTRY_COST};
 use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result};
 use idemstore::http::{Options, SecretCheck, PATH_METRICS};
 use idemstore::secret::Secret;
@@ -378,4 +378,66 @@ async fn waiting_then_cancelled_begin() {
     // The lock is still the holder's, and works as usual.
     assert_eq!(client.release(&key, &token).await.outcome(), "released");
     assert_eq!(scrape(addr).await.requests("release", "released"), 1.0);
+}
+
+/// Each item of a `commits` counts as the `commit` it stands for (outcome, duration, backend
+/// error), and the call in `idemstore_commit_batches_total` with its items. One item failing
+/// (its record does not fit the in-memory budget) answers `failed` for it alone; the others
+/// are stored, and the failed one's lock stays held, as after a failed `commit`.
+#[tokio::test]
+async fn batch_items_count_as_commits_and_fail_alone() {
+    let backend = MemoryBackend::with_limits(100, 3 * ENTRY_COST + 20);
+    let addr = serve_with(backend.clone(), Options::new(1024)).await;
+    let client = Client::new(addr, Version::H2c).await;
+    let before = scrape_with(&client).await;
+    assert_eq!(before.get("idemstore_commit_batches_total", &[]), 0.0);
+    assert_eq!(before.get("idemstore_commit_batch_items_total", &[]), 0.0);
+
+    let hash = common::hash('a');
+    let keys: Vec<String> = (0..3).map(|_| common::key()).collect();
+    let mut tokens = Vec::new();
+    for key in &keys {
+        tokens.push(client.begin(key, &hash, "0").await.token());
+    }
+    let big = vec![b'x'; 100];
+    let items: Vec<(&str, &str, &str, &[u8])> = vec![
+        (&keys[0], &tokens[0], &hash, b"one"),
+        (&keys[1], &tokens[1], &hash, &big),
+        (&keys[2], &tokens[2], &hash, b"three"),
+    ];
+    let reply = client.commits(batch_body(&items)).await;
+    assert_eq!(reply.batch(3), [Some(CommitOutcome::Stored), None, Some(CommitOutcome::Stored)]);
+    assert_eq!(&reply.body[..], b"stored\nfailed\nstored");
+    assert_eq!(&client.begin(&keys[0], &hash, "0").await.body[..], b"one");
+    assert_eq!(client.begin(&keys[1], &hash, "0").await.outcome(), "busy");
+    assert_eq!(&client.begin(&keys[2], &hash, "0").await.body[..], b"three");
+    // Refused before the backend: counted as a rejection only.
+    assert_eq!(client.commits(Bytes::new()).await.status, StatusCode::BAD_REQUEST);
+    let refused = client.commits(batch_body(&[(&keys[0], "t", &hash, &[b'x'; 1024])])).await;
+    assert_eq!(refused.status, StatusCode::PAYLOAD_TOO_LARGE);
+
+    let after = scrape_with(&client).await;
+    assert_eq!(after.get("idemstore_commit_batches_total", &[]), 1.0);
+    assert_eq!(after.get("idemstore_commit_batch_items_total", &[]), 3.0);
+    assert_eq!(after.requests("commit", "stored"), 2.0);
+    assert_eq!(after.requests("commit", "error"), 1.0);
+    assert_eq!(after.requests_of("commit"), 3.0);
+    assert_eq!(after.histogram_count("idemstore_request_duration_seconds", &[("op", "commit")]), 3.0);
+    assert_eq!(after.get("idemstore_backend_errors_total", &[("op", "commit"), ("reason", "full")]), 1.0);
+    assert_eq!(after.get("idemstore_rejected_total", &[("reason", "invalid")]), 1.0);
+    assert_eq!(after.get("idemstore_rejected_total", &[("reason", "too_large")]), 1.0);
+
+    // A backend that fails everything: still a `200` with every item `failed`.
+    let addr = serve_store(Arc::new(Store::new(Down)), Options::new(1024)).await;
+    let client = Client::new(addr, Version::H1).await;
+    let reply =
+        client.commits(batch_body(&[(&keys[0], "t", &hash, b"a"), (&keys[1], "t", &hash, b"b")])).await;
+    assert_eq!(reply.batch(2), [None, None]);
+    let scrape = scrape_with(&client).await;
+    assert_eq!(scrape.requests("commit", "error"), 2.0);
+    assert_eq!(
+        scrape.get("idemstore_backend_errors_total", &[("op", "commit"), ("reason", "unavailable")]),
+        2.0
+    );
+    assert_eq!(scrape.get("idemstore_commit_batch_items_total", &[]), 2.0);
 }

@@ -149,6 +149,83 @@ async fn lock_without_expiry_has_no_remaining_time() {
 }
 
 #[tokio::test]
+async fn batch_commit_over_http() {
+    let redis = RedisServer::start().await;
+    common::batch_commit_over_http(Arc::new(redis.store())).await;
+}
+
+/// A TCP proxy to `upstream` that delays what the client sends by `delay`, without limiting
+/// how much is in flight (every chunk is forwarded `delay` after it was read), so a round trip
+/// through it costs `delay` more and pipelined requests share it. Runs until the test ends.
+async fn latency_proxy(upstream: std::net::SocketAddr, delay: Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let (client, _) = listener.accept().await.unwrap();
+            let server = tokio::net::TcpStream::connect(upstream).await.unwrap();
+            client.set_nodelay(true).unwrap();
+            server.set_nodelay(true).unwrap();
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            let (chunks, mut delayed) =
+                tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+            tokio::spawn(async move {
+                let mut buf = vec![0; 64 * 1024];
+                while let Ok(n @ 1..) = client_read.read(&mut buf).await {
+                    if chunks.send((tokio::time::Instant::now() + delay, buf[..n].to_vec())).is_err() {
+                        return;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                while let Some((at, chunk)) = delayed.recv().await {
+                    tokio::time::sleep_until(at).await;
+                    if server_write.write_all(&chunk).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+        }
+    });
+    url(port)
+}
+
+/// The point of `commits`: its items' scripts are pipelined on the Redis connection, so a
+/// batch of 64 costs about one Redis round trip, not 64. Through a proxy adding 25 ms to each
+/// round trip, one at a time they would take at least 1.6 s.
+#[tokio::test]
+async fn batch_commits_share_a_redis_round_trip() {
+    let redis = RedisServer::start().await;
+    let upstream = redis.url.trim_start_matches("redis://").trim_end_matches('/').parse().unwrap();
+    let delay = Duration::from_millis(25);
+    let proxied = latency_proxy(upstream, delay).await;
+    let store = Arc::new(Store::new(RedisBackend::standalone(&proxied, Duration::from_secs(5)).unwrap()));
+    let hash = common::hash('a');
+    // Loads the script (the first call of a fresh server answers NOSCRIPT) and connects.
+    let started = Instant::now();
+    store.commit(&common::key(), "warm-up", &hash, Bytes::from_static(b"r"), common::DAY).await.unwrap();
+    assert!(started.elapsed() >= delay, "not through the proxy: {:?}", started.elapsed());
+
+    let addr = common::client::serve_store(store, idemstore::http::Options::new(1024 * 1024)).await;
+    let client = common::client::Client::new(addr, common::client::Version::H2c).await;
+    let n = idem_protocol::MAX_BATCH_ITEMS;
+    let keys: Vec<String> = (0..n).map(|_| common::key()).collect();
+    let items: Vec<(&str, &str, &str, &[u8])> =
+        keys.iter().map(|k| (k.as_str(), "no-lock", hash.as_str(), &b"r"[..])).collect();
+    let started = Instant::now();
+    let reply = client.commits(common::client::batch_body(&items)).await;
+    let took = started.elapsed();
+    assert_eq!(reply.batch(n), vec![Some(idemstore::backend::CommitOutcome::Late); n]);
+    eprintln!("{n} commits in one batch through a {delay:?} round trip: {took:?}");
+    assert!(took < delay * 16, "{n} commits took {took:?}: not pipelined");
+}
+
+#[tokio::test]
 async fn mismatch() {
     let redis = RedisServer::start().await;
     common::mismatch(&redis.store()).await;

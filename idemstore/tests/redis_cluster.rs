@@ -135,6 +135,67 @@ async fn scenarios_on_three_masters() {
     common::waiter_woken_by_commit(cluster.store().backend().clone()).await;
     common::waiter_on_other_instance(cluster.store(), cluster.store()).await;
     common::lock_remaining_over_http(std::sync::Arc::new(cluster.store())).await;
+    batch_on_mixed_slots(&cluster).await;
+}
+
+/// The master that holds `key`'s slot: the only node that answers for it (the others answer
+/// `MOVED`).
+async fn owner(nodes: &mut [redis::aio::MultiplexedConnection], key: &str) -> usize {
+    let mut owners = Vec::new();
+    for (i, conn) in nodes.iter_mut().enumerate() {
+        let found: redis::RedisResult<i64> =
+            redis::cmd("EXISTS").arg(format!("idem:{{{key}}}:r")).query_async(conn).await;
+        if found.is_ok() {
+            owners.push(i);
+        }
+    }
+    assert_eq!(owners.len(), 1, "{key}: answered by {owners:?}");
+    owners[0]
+}
+
+/// One `commits` call whose items live on all three masters: each is stored on its own
+/// master and replays, in one answer.
+async fn batch_on_mixed_slots(cluster: &Cluster) {
+    let mut nodes = Vec::new();
+    for url in &cluster.urls {
+        let client = redis::Client::open(url.as_str()).unwrap();
+        nodes.push(client.get_multiplexed_async_connection().await.unwrap());
+    }
+    // One key per master, then a few more wherever they fall.
+    let mut keys: Vec<(String, usize)> = Vec::new();
+    while (0..nodes.len()).any(|n| keys.iter().all(|(_, o)| *o != n)) {
+        let key = common::key();
+        let node = owner(&mut nodes, &key).await;
+        if keys.iter().all(|(_, o)| *o != node) {
+            keys.push((key, node));
+        }
+    }
+    for _ in 0..5 {
+        let key = common::key();
+        let node = owner(&mut nodes, &key).await;
+        keys.push((key, node));
+    }
+
+    let store = std::sync::Arc::new(cluster.store());
+    let addr = common::client::serve_store(store, idemstore::http::Options::new(1024 * 1024)).await;
+    let client = common::client::Client::new(addr, common::client::Version::H2c).await;
+    let hash = common::hash('a');
+    let mut items = Vec::new();
+    for (i, (key, _)) in keys.iter().enumerate() {
+        let token = client.begin(key, &hash, "0").await.token();
+        items.push((key.as_str(), token, format!("record {i}\n\0 of {key}").into_bytes()));
+    }
+    let batch: Vec<(&str, &str, &str, &[u8])> =
+        items.iter().map(|(key, token, record)| (*key, token.as_str(), hash.as_str(), &record[..])).collect();
+    let reply = client.commits(common::client::batch_body(&batch)).await;
+    assert_eq!(reply.batch(keys.len()), vec![Some(idemstore::backend::CommitOutcome::Stored); keys.len()]);
+    for ((key, node), (_, _, record)) in keys.iter().zip(&items) {
+        let replay = client.begin(key, &hash, "0").await;
+        assert_eq!((replay.outcome(), &replay.body[..]), ("record", &record[..]));
+        let stored: Vec<u8> =
+            redis::cmd("GET").arg(format!("idem:{{{key}}}:r")).query_async(&mut nodes[*node]).await.unwrap();
+        assert_eq!(stored, [hash.as_bytes(), record].concat(), "on its own master");
+    }
 }
 
 /// A master down (no replica to fail over to): keys in its slots fail fast, within the

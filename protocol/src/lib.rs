@@ -9,6 +9,11 @@
 //! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms | none | `record` (+ttl-ms), `locked` (+token), `busy` (+lock-remaining-ms), `mismatch` | the record for `record` |
 //! | `POST /v1/commit` | key, token, body-hash, retention-s | the record | `stored`, `late`, `exists` | none |
 //! | `POST /v1/release` | key, token | none | `released`, `not-owner` | none |
+//! | `POST /v1/commits` | retention-s | 1 to [`MAX_BATCH_ITEMS`] commits ([`encode_batch_item`]) | `batch` | one outcome per line, in order ([`BATCH_FAILED`] for one not done) |
+//!
+//! `commits` is `commit` for many records in one round trip: a filter that has commits waiting
+//! while one is in flight sends them together. Each item is committed as its own `commit` would
+//! be (one fails, the others stand); a malformed item makes the whole call a `400`, nothing done.
 //!
 //! Any other status, or a `200` without a known outcome, is a store fault: the filter fails
 //! open (or closed, by configuration) and counts it.
@@ -21,6 +26,7 @@
 pub const PATH_BEGIN: &str = "/v1/begin";
 pub const PATH_COMMIT: &str = "/v1/commit";
 pub const PATH_RELEASE: &str = "/v1/release";
+pub const PATH_COMMITS: &str = "/v1/commits";
 pub const PATH_HEALTH: &str = "/healthz";
 
 /// The derived store key: 64 lowercase hex characters (SHA-256). Never the client's key.
@@ -61,6 +67,12 @@ pub const MAX_WAIT_MS: u64 = 60_000;
 pub const MAX_RETENTION_S: u64 = 604_800;
 pub const MAX_TOKEN_LEN: usize = 64;
 pub const MAX_SECRET_LEN: usize = 256;
+/// Commits in one `commits` call at most.
+pub const MAX_BATCH_ITEMS: usize = 64;
+/// The outcome header of a `commits` answer (each item's outcome is in the body).
+pub const BATCH_OUTCOME: &str = "batch";
+/// A `commits` item's outcome when the store could not commit it (as a `commit` answered `503`).
+pub const BATCH_FAILED: &str = "failed";
 
 macro_rules! wire_enum {
     ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $wire:literal),+ $(,)? }) => {
@@ -152,6 +164,84 @@ pub fn parse_in(s: &[u8], range: std::ops::RangeInclusive<u64>) -> Option<u64> {
     range.contains(&n).then_some(n)
 }
 
+/// Appends one `commits` item: `<key> <token> <body-hash> <record length>\n` then the record.
+pub fn encode_batch_item(out: &mut Vec<u8>, key: &str, token: &str, body_hash: &str, record: &[u8]) {
+    out.reserve(key.len() + token.len() + body_hash.len() + 24 + record.len());
+    for part in [key, " ", token, " ", body_hash, " ", &record.len().to_string(), "\n"] {
+        out.extend_from_slice(part.as_bytes());
+    }
+    out.extend_from_slice(record);
+}
+
+/// One item of a `commits` body, validated; `record` is its range in the body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchItem<'a> {
+    pub key: &'a str,
+    pub token: &'a str,
+    pub body_hash: &'a str,
+    pub record: std::ops::Range<usize>,
+}
+
+/// Splits a `commits` body into its items, each checked as `commit` checks its headers (key and
+/// body hash 64 lowercase hex, a token, a record not empty); the reason of the first bad one.
+pub fn decode_batch(body: &[u8]) -> Result<Vec<BatchItem<'_>>, String> {
+    let mut items = Vec::new();
+    let mut at = 0;
+    while at < body.len() {
+        let n = items.len();
+        if n == MAX_BATCH_ITEMS {
+            return Err(format!("more than {MAX_BATCH_ITEMS} items"));
+        }
+        let end = body[at..]
+            .iter()
+            .take(64 + 1 + MAX_TOKEN_LEN + 1 + 64 + 1 + 20 + 1)
+            .position(|b| *b == b'\n')
+            .ok_or_else(|| format!("item {n}: no item line"))?;
+        let line = std::str::from_utf8(&body[at..at + end]).map_err(|_| format!("item {n}: not ASCII"))?;
+        let mut parts = line.split(' ');
+        let (Some(key), Some(token), Some(body_hash), Some(len), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(format!("item {n}: not `key token body-hash length`"));
+        };
+        if !is_hex64(key.as_bytes()) || !is_hex64(body_hash.as_bytes()) {
+            return Err(format!("item {n}: key and body hash must be 64 lowercase hex characters"));
+        }
+        if !is_token(token.as_bytes()) {
+            return Err(format!("item {n}: malformed token"));
+        }
+        let len = parse_bounded(len.as_bytes(), u64::MAX)
+            .and_then(|l| usize::try_from(l).ok())
+            .ok_or_else(|| format!("item {n}: the record length must be a positive number"))?;
+        let start = at + end + 1;
+        let stop = start
+            .checked_add(len)
+            .filter(|s| *s <= body.len())
+            .ok_or_else(|| format!("item {n}: cut short"))?;
+        items.push(BatchItem { key, token, body_hash, record: start..stop });
+        at = stop;
+    }
+    if items.is_empty() {
+        return Err("no items".to_string());
+    }
+    Ok(items)
+}
+
+/// The body of a `commits` answer: each item's outcome (`None`: not done), in order.
+pub fn encode_batch_answer(outcomes: &[Option<CommitOutcome>]) -> Vec<u8> {
+    let words: Vec<&str> = outcomes.iter().map(|o| o.map_or(BATCH_FAILED, CommitOutcome::as_str)).collect();
+    words.join("\n").into_bytes()
+}
+
+/// Reads a `commits` answer for `n` items: `None` if it is not one outcome per item.
+pub fn decode_batch_answer(body: &[u8], n: usize) -> Option<Vec<Option<CommitOutcome>>> {
+    let outcomes: Option<Vec<_>> = body
+        .split(|b| *b == b'\n')
+        .map(|w| if w == BATCH_FAILED.as_bytes() { Some(None) } else { CommitOutcome::parse(w).map(Some) })
+        .collect();
+    outcomes.filter(|o| o.len() == n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,6 +260,60 @@ mod tests {
         assert_eq!(BeginOutcome::parse(b"RECORD"), None);
         assert_eq!(CommitOutcome::parse(b"late"), Some(CommitOutcome::Late));
         assert_eq!(ReleaseOutcome::parse(b"not-owner"), Some(ReleaseOutcome::NotOwner));
+    }
+
+    #[test]
+    fn batches_round_trip() {
+        let (k1, k2, h) = ("a".repeat(64), "b".repeat(64), "c".repeat(64));
+        let mut body = Vec::new();
+        encode_batch_item(&mut body, &k1, "tok-1", &h, b"record one\n with a newline");
+        encode_batch_item(&mut body, &k2, "t2", &h, &[0, 255, b' ', b'\n']);
+        let items = decode_batch(&body).unwrap();
+        assert_eq!(items.len(), 2);
+        assert_eq!((items[0].key, items[0].token, items[0].body_hash), (k1.as_str(), "tok-1", h.as_str()));
+        assert_eq!(&body[items[0].record.clone()], b"record one\n with a newline");
+        assert_eq!((items[1].key, items[1].token), (k2.as_str(), "t2"));
+        assert_eq!(&body[items[1].record.clone()], &[0, 255, b' ', b'\n']);
+
+        let answer = encode_batch_answer(&[Some(CommitOutcome::Stored), None, Some(CommitOutcome::Exists)]);
+        assert_eq!(answer, b"stored\nfailed\nexists");
+        assert_eq!(
+            decode_batch_answer(&answer, 3),
+            Some(vec![Some(CommitOutcome::Stored), None, Some(CommitOutcome::Exists)])
+        );
+        assert_eq!(decode_batch_answer(&answer, 2), None);
+        assert_eq!(decode_batch_answer(b"stored\nmaybe", 2), None);
+        assert_eq!(decode_batch_answer(b"", 1), None);
+    }
+
+    #[test]
+    fn bad_batches_are_refused_with_the_item() {
+        let (k, h) = ("a".repeat(64), "c".repeat(64));
+        let mut one = Vec::new();
+        encode_batch_item(&mut one, &k, "t", &h, b"r");
+        assert!(decode_batch(b"").unwrap_err().contains("no items"));
+        let cut = &one[..one.len() - 1];
+        assert!(decode_batch(cut).unwrap_err().contains("item 0: cut short"));
+        let mut two = one.clone();
+        two.extend_from_slice(format!("{k} t {h} 0\n").as_bytes());
+        assert!(decode_batch(&two).unwrap_err().contains("item 1: the record length"));
+        for bad in [
+            format!("{} t {h} 1\nr", "A".repeat(64)),
+            format!("{k} bad.token {h} 1\nr"),
+            format!("{k} t {h} +1\nr"),
+            format!("{k} t {h}\nr"),
+            format!("{k} t {h} 1 extra\nr"),
+            format!("{k} t {h} 1"),
+        ] {
+            assert!(decode_batch(bad.as_bytes()).is_err(), "{bad}");
+        }
+        let mut full = Vec::new();
+        for _ in 0..MAX_BATCH_ITEMS {
+            encode_batch_item(&mut full, &k, "t", &h, b"r");
+        }
+        assert_eq!(decode_batch(&full).unwrap().len(), MAX_BATCH_ITEMS);
+        encode_batch_item(&mut full, &k, "t", &h, b"r");
+        assert!(decode_batch(&full).unwrap_err().contains("more than"));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use hyper::{HeaderMap, Request, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use idem_protocol as proto;
 use idemstore::backend::memory::MemoryBackend;
-use idemstore::backend::Backend;
+use idemstore::backend::{Backend, CommitOutcome};
 use idemstore::http::Options;
 use idemstore::store::Store;
 use tokio::net::{TcpListener, TcpStream};
@@ -49,11 +49,27 @@ impl Reply {
         self.headers[proto::HEADER_TOKEN].to_str().unwrap().to_owned()
     }
 
+    /// The outcomes of a `commits` answer for `n` items: it must be a `200` with outcome `batch`.
+    pub fn batch(&self, n: usize) -> Vec<Option<CommitOutcome>> {
+        let text = String::from_utf8_lossy(&self.body);
+        assert_eq!((self.status, self.outcome()), (StatusCode::OK, proto::BATCH_OUTCOME), "{text}");
+        proto::decode_batch_answer(&self.body, n).unwrap_or_else(|| panic!("not {n} outcomes: {text:?}"))
+    }
+
     /// `x-idem-lock-remaining-ms`, if set (it must then be a whole number of milliseconds).
     pub fn lock_remaining(&self) -> Option<Duration> {
         let value = self.headers.get(proto::HEADER_LOCK_REMAINING_MS)?;
         Some(Duration::from_millis(value.to_str().unwrap().parse().unwrap()))
     }
+}
+
+/// A `commits` body: one item per (key, token, body hash, record).
+pub fn batch_body(items: &[(&str, &str, &str, &[u8])]) -> Bytes {
+    let mut body = Vec::new();
+    for (key, token, hash, record) in items {
+        proto::encode_batch_item(&mut body, key, token, hash, record);
+    }
+    Bytes::from(body)
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -158,6 +174,11 @@ impl Client {
             (proto::HEADER_RETENTION_S, "86400"),
         ];
         self.call("POST", proto::PATH_COMMIT, &headers, record).await
+    }
+
+    /// A `commits` call with a day's retention.
+    pub async fn commits(&self, body: Bytes) -> Reply {
+        self.call("POST", proto::PATH_COMMITS, &[(proto::HEADER_RETENTION_S, "86400")], body).await
     }
 
     pub async fn release(&self, key: &str, token: &str) -> Reply {

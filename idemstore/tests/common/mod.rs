@@ -229,6 +229,38 @@ pub async fn lock_remaining_over_http<B: Backend>(store: Arc<Store<B>>) {
     }
 }
 
+/// `commits` over HTTP: each item is its own commit (a key repeated in one batch included:
+/// the first stores, the second finds it), in one answer in item order; the records replay
+/// byte for byte, newlines and NULs included.
+pub async fn batch_commit_over_http<B: Backend>(store: Arc<Store<B>>) {
+    use CommitOutcome::{Exists, Late, Stored};
+    let addr = client::serve_store(store, idemstore::http::Options::new(1024 * 1024)).await;
+    for version in [client::Version::H1, client::Version::H2c] {
+        let client = client::Client::new(addr, version).await;
+        let (k1, k2, hash) = (key(), key(), hash('a'));
+        let t1 = client.begin(&k1, &hash, "0").await.token();
+        let t2 = client.begin(&k2, &hash, "0").await.token();
+        let r1: &[u8] = b"\0first\nrecord 12 \0\n";
+        let r2: &[u8] = b"second\n\0";
+        let body = client::batch_body(&[
+            (&k1, &t1, &hash, r1),
+            (&k2, &t2, &hash, r2),
+            (&k1, &t1, &hash, b"not kept"),
+        ]);
+        let reply = client.commits(body).await;
+        assert_eq!(reply.batch(3), [Some(Stored), Some(Stored), Some(Exists)]);
+        for (key, record) in [(&k1, r1), (&k2, r2)] {
+            let replay = client.begin(key, &hash, "0").await;
+            assert_eq!((replay.outcome(), &replay.body[..]), ("record", record));
+        }
+        // No lock at all: `late`; the same key again in the batch: `exists`, the first kept.
+        let k3 = key();
+        let body = client::batch_body(&[(&k3, "no-lock", &hash, b"one"), (&k3, "no-lock", &hash, b"two")]);
+        assert_eq!(client.commits(body).await.batch(2), [Some(Late), Some(Exists)]);
+        assert_eq!(&client.begin(&k3, &hash, "0").await.body[..], b"one");
+    }
+}
+
 pub async fn mismatch<B: Backend>(store: &Store<B>) {
     let key = key();
     let token = lock(store, &key).await;
