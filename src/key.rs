@@ -2,9 +2,9 @@
 //!
 //! The client's key is never sent to the store or logged: the store key is SHA-256 over the
 //! length-prefixed subject, method, route and client key, so two callers (or two routes) that
-//! pick the same key get two records, and no field can bleed into its neighbour.
+//! pick the same key get two records, and no field can bleed into its neighbour. The derivation
+//! itself is `idem_protocol::key`, shared with idemstore's operator tools.
 
-use sha2::{Digest, Sha256};
 use std::fmt;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,32 +101,9 @@ fn parse_sf_string(v: &[u8]) -> Result<String, KeyError> {
     }
 }
 
-/// The store key: lowercase hex SHA-256 of the length-prefixed scope and key.
-pub fn store_key(subject: &str, method: &str, route: &str, client_key: &str) -> String {
-    store_key_bytes(subject.as_bytes(), method, route, client_key.as_bytes())
-}
-
-/// [`store_key`] over exact bytes: a message id or source read from a header need not be UTF-8,
-/// and two ids that differ in any byte must stay two records.
-pub fn store_key_bytes(subject: &[u8], method: &str, route: &str, client_key: &[u8]) -> String {
-    let mut h = Sha256::new();
-    h.update(b"idempotency-key/v1");
-    for field in [subject, method.as_bytes(), route.as_bytes(), client_key] {
-        h.update((field.len() as u64).to_be_bytes());
-        h.update(field);
-    }
-    hex(&h.finalize())
-}
-
-pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 0xf) as usize] as char);
-    }
-    s
-}
+// The store key's derivation is shared with idemstore (its operator tools derive the same key
+// from a request's subject, method, route and client key): `idem_protocol::key`.
+pub use idem_protocol::key::{hex, store_key, store_key_bytes};
 
 /// The route part of the scope when the Envoy route has no name: the path without its query.
 pub fn route_from_path(path: &str) -> &str {

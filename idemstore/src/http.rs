@@ -19,6 +19,9 @@
 //!    1 to [`proto::MAX_BATCH_ITEMS`] items, each checked as `commit` checks its headers), else
 //!    `400` naming the first bad item and nothing is committed.
 //!
+//! The operator's routes under `/v1/admin/` ([`crate::admin`]) pass the same secret check and
+//! validate their store key (`400`).
+//!
 //! Each refusal counts in `idemstore_rejected_total` by its reason; a request past them counts
 //! in `idemstore_requests_total` and `idemstore_request_duration_seconds` (see
 //! [`crate::metrics`]), served by `GET /metrics` on the same listener. Each item of a `commits`
@@ -39,6 +42,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use idem_protocol as proto;
 
+use crate::admin;
 use crate::backend::{Backend, BackendError};
 use crate::metrics::{self, Op, Outcome, Rejection};
 use crate::secret::Secret;
@@ -165,6 +169,13 @@ pub fn router<B: Backend>(store: Arc<Store<B>>, options: Options) -> Router {
         .route(proto::PATH_RELEASE, post(release::<B>).layer(no_body()))
         .route(proto::PATH_HEALTH, get(health::<B>))
         .route(PATH_METRICS, get(scrape::<B>))
+        // The operator's routes (`idemstore records --url`), behind the secret like the protocol.
+        .route(admin::PATH_RECORDS, get(admin::find_records::<B>).layer(no_body()))
+        .route(
+            &format!("{}/{{key}}", admin::PATH_RECORDS),
+            get(admin::get_record::<B>).delete(admin::delete_record::<B>).layer(no_body()),
+        )
+        .route(admin::PATH_COUNTS, get(admin::get_counts::<B>).layer(no_body()))
         .layer(DefaultBodyLimit::max(options.max_body_bytes))
         .with_state(Arc::clone(&store));
     match options.secret {
@@ -222,7 +233,7 @@ impl IntoResponse for Error {
 }
 
 /// Answers a request refused before the backend, counting it.
-fn refused<B: Backend>(store: &Store<B>, e: Error) -> Response {
+pub(crate) fn refused<B: Backend>(store: &Store<B>, e: Error) -> Response {
     if let Some(reason) = e.rejection() {
         store.metrics().reject(reason);
     }

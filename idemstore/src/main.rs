@@ -1,6 +1,6 @@
 //! `idemstore` command line: picks a backend, serves HTTP/1.1 and h2c until SIGTERM/ctrl-c:
 //! the protocol, `GET /healthz` and `GET /metrics` (Prometheus), all on the one `--listen`
-//! address.
+//! address. `idemstore records ...` runs the operator's tools instead ([`idemstore::tools`]).
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -10,13 +10,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::serve::ListenerExt;
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use idemstore::backend::memory::{self, MemoryBackend};
 use idemstore::backend::redis::RedisBackend;
 use idemstore::backend::Backend;
 use idemstore::http;
 use idemstore::secret::Secret;
 use idemstore::store::Store;
+use idemstore::tools;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -24,9 +26,15 @@ use tracing_subscriber::EnvFilter;
 const SWEEP_PERIOD: Duration = Duration::from_secs(5);
 
 /// Store-and-lock service for the Envoy idempotency filter.
+///
+/// Without a command it serves (the flags below); `idemstore records` looks up, deletes and
+/// counts what the store holds.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+
     /// Address to listen on (HTTP/1.1 and h2c prior knowledge).
     #[arg(long, env = "IDEMSTORE_LISTEN", default_value = "127.0.0.1:8380")]
     listen: String,
@@ -80,6 +88,18 @@ struct Cli {
     worker_threads: usize,
 }
 
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Look up, delete or count records and locks: for the day a wrong answer was stored.
+    ///
+    /// Look up or delete the record and lock of a request (subject, method, route, client key,
+    /// derived as the filter derives its store key) or of a store key, and count records and
+    /// locks; against Redis, Redis Cluster or a running idemstore (with its secret). See
+    /// `idemstore records lookup --help`.
+    #[command(subcommand)]
+    Records(tools::Records),
+}
+
 /// `--secret` as given: validated by [`Secret::new`] in [`run`], because clap's own error
 /// would print the rejected value, and never shown by `Debug`.
 #[derive(Clone)]
@@ -100,11 +120,14 @@ impl std::fmt::Debug for RawSecret {
 }
 
 fn main() -> ExitCode {
+    let cli = parse();
+    if let Some(Command::Records(records)) = cli.command {
+        return run_tool(records);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
         .with_ansi(std::io::stdout().is_terminal())
         .init();
-    let cli = Cli::parse();
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if cli.worker_threads > 0 {
         builder.worker_threads(cli.worker_threads);
@@ -121,6 +144,49 @@ fn main() -> ExitCode {
         Err(e) => {
             tracing::error!("{e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// The command line, refusing the server's flags before a command: `idemstore --redis X records
+/// count` would otherwise ignore them silently (the tools take their own, after the command). The
+/// server's environment variables do not count, so the tools run where the service runs.
+fn parse() -> Cli {
+    parse_from(std::env::args_os()).unwrap_or_else(|e| e.exit())
+}
+
+fn parse_from<I, T>(args: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let matches = Cli::command().try_get_matches_from(args)?;
+    let cli = Cli::from_arg_matches(&matches)?;
+    if let Some((name, _)) = matches.subcommand() {
+        let given =
+            matches.ids().find(|id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine));
+        if let Some(id) = given {
+            let flag = id.as_str().replace('_', "-");
+            let why = format!("--{flag} is a server flag: give `{name}` its own flags, after it");
+            return Err(Cli::command().error(clap::error::ErrorKind::ArgumentConflict, why));
+        }
+    }
+    Ok(cli)
+}
+
+/// `idemstore records ...`: logs (of the Redis client, say) go to stderr, warnings only, so
+/// that stdout is the report alone (`--json`).
+fn run_tool(records: tools::Records) -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
+    match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime.block_on(tools::run(records)),
+        Err(e) => {
+            eprintln!("idemstore records: cannot start the runtime: {e}");
+            ExitCode::from(2)
         }
     }
 }
@@ -267,6 +333,19 @@ mod tests {
             "redis://b:2"
         ])
         .is_err());
+    }
+
+    #[test]
+    fn the_server_is_the_default_and_records_a_command() {
+        let cli = parse_from(["idemstore", "--listen", "127.0.0.1:0", "--redis", "redis://a:1"]).unwrap();
+        assert!(cli.command.is_none());
+        assert_eq!(cli.redis.as_deref(), Some("redis://a:1"));
+        let cli = parse_from(["idemstore", "records", "count", "--redis", "redis://a:1"]).unwrap();
+        assert!(matches!(cli.command, Some(Command::Records(tools::Records::Count(_)))));
+        // A server flag before the command would be ignored by it: refused instead.
+        let e = parse_from(["idemstore", "--redis", "redis://a:1", "records", "count"]).unwrap_err();
+        assert!(e.to_string().contains("--redis is a server flag"), "{e}");
+        assert!(parse_from(["idemstore", "nonsense"]).is_err());
     }
 
     #[test]

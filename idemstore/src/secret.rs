@@ -39,6 +39,11 @@ impl Secret {
         Self::new(text.trim_end_matches(['\n', '\r'])).map_err(|e| format!("{e} (in {})", path.display()))
     }
 
+    /// The secret itself, for a client that sends it (`idemstore records --url`).
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
     /// Compares in constant time for a given length, so response timing does not tell a
     /// prober how many leading bytes it got right. (`subtle` answers a length mismatch at once:
     /// the length is all that leaks.)

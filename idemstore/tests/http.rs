@@ -626,3 +626,165 @@ async fn batch_items_are_committed_concurrently() {
     assert_eq!(reply.batch(n), vec![Some(CommitOutcome::Stored); n]);
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
 }
+
+/// The operator's routes: behind the secret like the protocol (401 without it, or with another,
+/// and nothing looked at or deleted), a store key or prefix validated (400), then the reports.
+async fn admin_routes(version: Version) {
+    use idemstore::admin::{CountsReport, DeleteReport, FindReport, KeyReport, PATH_COUNTS, PATH_RECORDS};
+    let backend = MemoryBackend::new(1000);
+    let guard = Arc::new(SecretCheck::new(Secret::new(SECRET).unwrap()));
+    let options = Options { max_body_bytes: 1024, secret: Some(Arc::clone(&guard)) };
+    let addr = serve_with(backend.clone(), options).await;
+    let bare = Client::new(addr, version).await;
+    let right = bare.with_secret(Some(SECRET));
+    let (key, hash) = (common::key(), common::hash('a'));
+    let record = common::filter_record(b"{\"id\":1}");
+    assert_eq!(backend.commit(&key, "t", &hash, record.clone(), common::DAY).await, Ok(CommitOutcome::Late));
+    let one = format!("{PATH_RECORDS}/{key}");
+    let prefix = format!("{PATH_RECORDS}?prefix={}", &key[..12]);
+
+    for client in [bare.clone(), bare.with_secret(Some("wrong")), bare.with_secret(Some(""))] {
+        for (method, path) in
+            [("GET", &one), ("DELETE", &one), ("GET", &prefix), ("GET", &PATH_COUNTS.to_owned())]
+        {
+            let reply = client.call(method, path, &[], Bytes::new()).await;
+            assert_eq!(
+                (reply.status, &reply.body[..]),
+                (StatusCode::UNAUTHORIZED, &b"missing or wrong x-idem-secret"[..])
+            );
+        }
+    }
+    assert_eq!(guard.refused(), 12);
+    assert_eq!(backend.len(), 1, "nothing deleted without the secret");
+
+    let json = |reply: common::client::Reply| {
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        assert_eq!(reply.headers["content-type"], "application/json");
+        reply.body
+    };
+    let report: KeyReport =
+        serde_json::from_slice(&json(right.call("GET", &one, &[], Bytes::new()).await)).unwrap();
+    assert_eq!(report.store_key, key);
+    let r = report.record.unwrap();
+    assert_eq!((r.status, r.bytes, r.body_hash.as_str()), (Some(201), record.len(), hash.as_str()));
+    assert!(r.ttl_ms.is_some_and(|ms| ms > 86_000_000));
+    assert_eq!(report.lock, None);
+    let found: FindReport =
+        serde_json::from_slice(&json(right.call("GET", &prefix, &[], Bytes::new()).await)).unwrap();
+    assert_eq!((found.store_keys, found.truncated), (vec![key.clone()], false));
+    let counts: CountsReport =
+        serde_json::from_slice(&json(right.call("GET", PATH_COUNTS, &[], Bytes::new()).await)).unwrap();
+    assert_eq!(counts, CountsReport { records: 1, locks: 0 });
+
+    // Malformed store keys and prefixes: 400, before the backend.
+    for bad in [&key[..63], &key.to_uppercase(), &format!("{}g", &key[..63]), &format!("{key}0"), "x"] {
+        for method in ["GET", "DELETE"] {
+            let reply = right.call(method, &format!("{PATH_RECORDS}/{bad}"), &[], Bytes::new()).await;
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{method} {bad}");
+            assert!(String::from_utf8_lossy(&reply.body).contains("64 lowercase hex"));
+        }
+    }
+    for bad in
+        ["", "?prefix=", "?prefix=0123abc", "?prefix=0123ABCD", "?other=0123abcd", "?prefix=0123abcd&x=1"]
+    {
+        let reply = right.call("GET", &format!("{PATH_RECORDS}{bad}"), &[], Bytes::new()).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+    assert_eq!(backend.len(), 1);
+
+    let deleted: DeleteReport =
+        serde_json::from_slice(&json(right.call("DELETE", &one, &[], Bytes::new()).await)).unwrap();
+    assert!(deleted.deleted_record && !deleted.deleted_lock);
+    assert_eq!(deleted.record.and_then(|r| r.status), Some(201));
+    assert!(backend.is_empty());
+    let again: DeleteReport =
+        serde_json::from_slice(&json(right.call("DELETE", &one, &[], Bytes::new()).await)).unwrap();
+    assert!(!again.deleted_anything() && again.record.is_none());
+    // The protocol still works as it did: the key is free, the next begin takes its lock.
+    assert_eq!(right.begin(&key, &hash, "0").await.outcome(), "locked");
+    assert_eq!(guard.refused(), 12);
+}
+
+#[tokio::test]
+async fn admin_routes_http1() {
+    admin_routes(Version::H1).await;
+}
+
+#[tokio::test]
+async fn admin_routes_h2c() {
+    admin_routes(Version::H2c).await;
+}
+
+/// `idemstore records --url` against a running idemstore with a secret: refused (and nothing
+/// deleted) without it or with another, found and deleted with it, from a file or the
+/// environment.
+#[tokio::test]
+async fn records_command_over_http() {
+    use clap::Parser;
+    use idemstore::tools::{execute, Records};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        records: Records,
+    }
+    let backend = MemoryBackend::new(1000);
+    let options = Options::new(1024).with_secret(Secret::new(SECRET).unwrap());
+    let addr = serve_with(backend.clone(), options).await;
+    let key = idem_protocol::store_key("anon:127.0.0.1", "POST", "orders", "k-1");
+    let record = common::filter_record(b"{}");
+    assert_eq!(
+        backend.commit(&key, "t", &common::hash('a'), record, common::DAY).await,
+        Ok(CommitOutcome::Late)
+    );
+    let dir = std::env::temp_dir().join(format!("idemstore-records-{}", common::key()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (right_file, wrong_file) = (dir.join("right"), dir.join("wrong"));
+    std::fs::write(&right_file, format!("{SECRET}\n")).unwrap();
+    std::fs::write(&wrong_file, "not-the-secret\n").unwrap();
+    let url = format!("http://{addr}");
+    let request = ["--subject", "anon:127.0.0.1", "--method", "POST", "--route", "orders", "--key", "k-1"];
+    let args = |command: &str, extra: &[&str]| -> Vec<String> {
+        let mut args = vec!["records".to_owned(), command.to_owned(), "--url".to_owned(), url.clone()];
+        args.extend(request.iter().chain(extra).map(|s| (*s).to_owned()));
+        args
+    };
+    let env_secret = |name: &str| (name == "IDEMSTORE_SECRET").then(|| SECRET.to_owned());
+    let wrong = wrong_file.to_str().unwrap();
+
+    for (command, extra) in
+        [("delete", &[][..]), ("delete", &["--secret-file", wrong][..]), ("lookup", &[][..])]
+    {
+        let e = execute(&Cli::parse_from(args(command, extra)).records, |_| None).await.unwrap_err();
+        assert!(e.contains("idemstore refused the secret (401)"), "{e}");
+        assert!(!e.contains(SECRET));
+    }
+    assert_eq!(backend.len(), 1, "nothing deleted");
+
+    let found = execute(&Cli::parse_from(args("lookup", &[])).records, env_secret).await.unwrap();
+    assert!(found.found && found.text.contains("record     status 201"), "{}", found.text);
+    let right = right_file.to_str().unwrap();
+    let by_prefix = Cli::parse_from([
+        "records",
+        "lookup",
+        "--url",
+        &url,
+        "--secret-file",
+        right,
+        "--store-key",
+        &key[..12],
+    ]);
+    let found = execute(&by_prefix.records, |_| None).await.unwrap();
+    assert!(found.found && found.text.contains(&key), "{}", found.text);
+    let deleted =
+        execute(&Cli::parse_from(args("delete", &["--secret-file", right])).records, |_| None).await.unwrap();
+    assert!(deleted.found && deleted.text.ends_with("deleted record\n"), "{}", deleted.text);
+    assert!(backend.is_empty());
+    let again =
+        execute(&Cli::parse_from(args("delete", &["--secret-file", right])).records, |_| None).await.unwrap();
+    assert!(!again.found && again.text.contains("nothing deleted"), "{}", again.text);
+    let counts =
+        execute(&Cli::parse_from(["records", "count", "--url", &url]).records, env_secret).await.unwrap();
+    assert_eq!(counts.text, "records  0\nlocks    0\n");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -89,3 +89,8 @@ async fn waiter_on_other_instance() {
 async fn stop_waiting_answers_busy() {
     common::stop_waiting_answers_busy(Arc::new(store())).await;
 }
+
+#[tokio::test]
+async fn operator_tools() {
+    common::operator_tools(&MemoryBackend::new(1000), 5).await;
+}

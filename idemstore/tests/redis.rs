@@ -498,3 +498,71 @@ async fn dropped_store_unsubscribes() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The operator's tools on Redis: more records than one `SCAN` call returns, beside keys that
+/// are not records or locks (a waiter mark, another application's keys), which are not counted.
+#[tokio::test]
+async fn operator_tools() {
+    let redis = RedisServer::start().await;
+    let mut conn = redis.conn().await;
+    let mark = format!("idem:{{{}}}:w", common::key());
+    for other in ["orders:1", "idem:wake", "idem:{notakey}:x", mark.as_str()] {
+        let _: () = redis::cmd("SET").arg(other).arg("1").query_async(&mut conn).await.unwrap();
+    }
+    common::operator_tools(&redis.backend(), 2500).await;
+
+    // A record and a lock set by hand without expiry: no lifetime to tell.
+    let key = common::key();
+    let value = [common::hash('a').into_bytes(), common::filter_record(b"").to_vec()].concat();
+    let _: () =
+        redis::cmd("SET").arg(format!("idem:{{{key}}}:r")).arg(value).query_async(&mut conn).await.unwrap();
+    let _: () =
+        redis::cmd("SET").arg(format!("idem:{{{key}}}:l")).arg("t").query_async(&mut conn).await.unwrap();
+    let seen = redis.backend().inspect(&key).await.unwrap();
+    assert_eq!(seen.record.map(|r| (r.status, r.bytes, r.ttl)), Some((Some(201), 9, None)));
+    assert_eq!(seen.lock.map(|l| l.ttl), Some(None));
+}
+
+#[tokio::test]
+async fn delete_wakes_other_instance() {
+    let redis = RedisServer::start().await;
+    let (one, two) = redis.two_instances().await;
+    common::delete_wakes_other_instance(&one, &two).await;
+}
+
+/// `idemstore records` against Redis, as an operator runs it (the command's own code, not the
+/// binary): the record of a request found by its subject, method, route and key, deleted, and
+/// then nothing found.
+#[tokio::test]
+async fn records_command_on_redis() {
+    use clap::Parser;
+    use idemstore::tools::{execute, Records};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        records: Records,
+    }
+    let redis = RedisServer::start().await;
+    let store = redis.store();
+    let key = idem_protocol::store_key("id:alice", "POST", "orders", "k-1");
+    let token = common::lock(&store, &key).await;
+    store.commit(&key, &token, &common::hash('a'), common::filter_record(b"{}"), common::DAY).await.unwrap();
+    let run = |command: &'static str| {
+        let url = redis.url.clone();
+        async move {
+            let args = ["records", command, "--redis", &url, "--subject", "id:alice", "--method", "POST"];
+            let args = [&args[..], &["--route", "orders", "--key", "k-1", "--json"]].concat();
+            execute(&Cli::parse_from(args).records, |_| None).await.unwrap()
+        }
+    };
+    let found = run("lookup").await;
+    assert!(found.found);
+    let report: idemstore::admin::KeyReport = serde_json::from_str(&found.text).unwrap();
+    assert_eq!((report.store_key.as_str(), report.record.unwrap().status), (key.as_str(), Some(201)));
+    let deleted = run("delete").await;
+    assert!(deleted.found && deleted.text.contains("\"deleted_record\":true"), "{}", deleted.text);
+    let again = run("delete").await;
+    assert!(!again.found && again.text.contains("\"deleted_record\":false"), "{}", again.text);
+    assert!(!run("lookup").await.found);
+}

@@ -259,3 +259,15 @@ async fn wakes_cross_instances_on_three_masters() {
     common::wakes_cross_instances(&one, &two).await;
     common::measure_cross_instance_wakes("cluster", &one, &two, 200).await;
 }
+
+/// The operator's tools on a cluster: counts and prefix lookups scan every master (60 more
+/// records, spread over the three by their keys).
+#[tokio::test]
+async fn operator_tools_on_three_masters() {
+    let cluster = Cluster::start().await;
+    common::operator_tools(&cluster.backend(), 60).await;
+    let (one, two) = (common::no_recheck(cluster.backend()), common::no_recheck(cluster.backend()));
+    common::listening(&one, 1).await;
+    common::listening(&two, 1).await;
+    common::delete_wakes_other_instance(&one, &two).await;
+}

@@ -22,6 +22,13 @@
 //! [`HEADER_SECRET`]; without it, or with another value, the store answers `401` and does nothing
 //! else. Every header value is validated before the store touches its backend: a missing,
 //! repeated or malformed one is a `400` that names the header.
+//!
+//! The store key itself, how the filter derives it from the request ([`store_key`]), lives
+//! here too, so that idemstore's operator tools derive the same key ([`key`]).
+
+pub mod key;
+
+pub use key::{hex, store_key, store_key_bytes};
 
 pub const PATH_BEGIN: &str = "/v1/begin";
 pub const PATH_COMMIT: &str = "/v1/commit";

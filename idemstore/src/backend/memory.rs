@@ -32,7 +32,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result, Usage};
+use super::{
+    record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Inspection, LockInfo,
+    RecordInfo, ReleaseOutcome, Result, Usage,
+};
 
 /// `--memory-max-keys` default.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -332,6 +335,63 @@ impl Backend for MemoryBackend {
 
     async fn health(&self) -> Result<()> {
         Ok(())
+    }
+
+    async fn inspect(&self, key: &str) -> Result<Inspection> {
+        let now = Instant::now();
+        let mut inner = lock(&self.inner);
+        let Some(entry) = inner.live(key, now) else {
+            return Ok(Inspection::default());
+        };
+        let record = entry.record.as_ref().map(|r| RecordInfo {
+            body_hash: r.body_hash.clone(),
+            bytes: r.bytes.len(),
+            status: record_status(&r.bytes),
+            ttl: Some(r.expires.saturating_duration_since(now)),
+        });
+        let lock =
+            entry.lock.as_ref().map(|l| LockInfo { ttl: Some(l.expires.saturating_duration_since(now)) });
+        Ok(Inspection { record, lock })
+    }
+
+    async fn delete(&self, key: &str) -> Result<Deleted> {
+        let now = Instant::now();
+        let mut inner = lock(&self.inner);
+        let Some(entry) = inner.live(key, now) else {
+            return Ok(Deleted::default());
+        };
+        let deleted = Deleted { record: entry.record.is_some(), lock: entry.lock.is_some() };
+        inner.remove(key);
+        Ok(deleted)
+    }
+
+    async fn counts(&self) -> Result<Counts> {
+        let now = Instant::now();
+        let inner = lock(&self.inner);
+        let mut counts = Counts::default();
+        for entry in inner.entries.values() {
+            counts.records += u64::from(entry.record.as_ref().is_some_and(|r| r.expires > now));
+            counts.locks += u64::from(entry.lock.as_ref().is_some_and(|l| l.expires > now));
+        }
+        Ok(counts)
+    }
+
+    async fn find(&self, prefix: &str, limit: usize) -> Result<Vec<String>> {
+        let now = Instant::now();
+        let inner = lock(&self.inner);
+        let live = |e: &Entry| {
+            e.record.as_ref().is_some_and(|r| r.expires > now)
+                || e.lock.as_ref().is_some_and(|l| l.expires > now)
+        };
+        let mut keys: Vec<String> = inner
+            .entries
+            .iter()
+            .filter(|(k, e)| k.starts_with(prefix) && live(e))
+            .map(|(k, _)| k.clone())
+            .collect();
+        keys.sort_unstable();
+        keys.truncate(limit);
+        Ok(keys)
     }
 
     fn usage(&self) -> Option<Usage> {

@@ -62,6 +62,71 @@ pub struct Usage {
     pub max_bytes: usize,
 }
 
+/// What one store key holds, for an operator ([`Backend::inspect`]); the record's bytes stay
+/// in the store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Inspection {
+    pub record: Option<RecordInfo>,
+    pub lock: Option<LockInfo>,
+}
+
+impl Inspection {
+    pub fn is_empty(&self) -> bool {
+        self.record.is_none() && self.lock.is_none()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordInfo {
+    /// The hash of the request body the record answers (64 lowercase hex).
+    pub body_hash: String,
+    /// The filter's record (its encoding of the answer), in bytes.
+    pub bytes: usize,
+    /// The stored answer's status, read from the record's head ([`record_status`]); `None`
+    /// when the bytes are not a record the filter wrote.
+    pub status: Option<u16>,
+    /// How long the record still lives; `None`: no expiry (set by hand).
+    pub ttl: Option<Duration>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockInfo {
+    /// How long the lock still lives; `None`: no expiry (set by hand).
+    pub ttl: Option<Duration>,
+}
+
+/// What [`Backend::delete`] deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Deleted {
+    pub record: bool,
+    pub lock: bool,
+}
+
+/// Records and locks in the whole backend ([`Backend::counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub records: u64,
+    pub locks: u64,
+}
+
+/// The bytes of a record's head that [`record_status`] reads: the filter's magic and status.
+pub const RECORD_HEAD_BYTES: usize = 6;
+
+/// The status of the answer a record holds, from its first [`RECORD_HEAD_BYTES`]: the store
+/// keeps records as opaque bytes, but every form the filter writes (`IDR1`, `IDR2`; see the
+/// filter's `src/record.rs`) starts with a 4-byte magic and the status as a big-endian `u16`.
+/// `None` for anything else.
+pub fn record_status(head: &[u8]) -> Option<u16> {
+    match head {
+        [b'I', b'D', b'R', b'1' | b'2', hi, lo, ..] => Some(u16::from_be_bytes([*hi, *lo])),
+        _ => None,
+    }
+}
+
+fn no_tools() -> BackendError {
+    BackendError::Unavailable("this backend has no operator tools".into())
+}
+
 /// Keys and hashes arrive validated (64 lowercase hex), tokens as `is_token` allows.
 pub trait Backend: Send + Sync + 'static {
     /// Lookup-or-lock: the record for `key` if any, else the lock for `token` with `lock_ttl`,
@@ -90,6 +155,33 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether the backend answers at all.
     fn health(&self) -> impl Future<Output = Result<()>> + Send;
 
+    // The operator's tools (`idemstore records`, [`crate::admin`]). Every backend idemstore
+    // runs has them; the defaults serve test doubles, which answer that they cannot.
+
+    /// The operator's view of `key`: its record and its lock, if any (never the record's bytes).
+    fn inspect(&self, _key: &str) -> impl Future<Output = Result<Inspection>> + Send {
+        async { Err(no_tools()) }
+    }
+
+    /// Deletes `key`'s record and lock (whoever holds it), for an operator: the next `begin` of
+    /// the key takes the lock and runs the request again.
+    fn delete(&self, _key: &str) -> impl Future<Output = Result<Deleted>> + Send {
+        async { Err(no_tools()) }
+    }
+
+    /// Counts the records and locks held (on Redis a `SCAN` of every master: not a snapshot, so
+    /// approximate while keys come and go).
+    fn counts(&self) -> impl Future<Output = Result<Counts>> + Send {
+        async { Err(no_tools()) }
+    }
+
+    /// Store keys starting with `prefix` (lowercase hex) that hold a record or a lock: at most
+    /// `limit` of them (any, when more match), sorted. On Redis a `SCAN` with the prefix in its
+    /// pattern, as for [`Self::counts`].
+    fn find(&self, _prefix: &str, _limit: usize) -> impl Future<Output = Result<Vec<String>>> + Send {
+        async { Err(no_tools()) }
+    }
+
     /// Its own accounting, for a backend that keeps its data in this process (in memory);
     /// `None` for one that keeps it elsewhere (Redis), whose own metrics tell.
     fn usage(&self) -> Option<Usage> {
@@ -106,5 +198,19 @@ pub trait Backend: Send + Sync + 'static {
         _status: watch::Sender<RemoteWakeups>,
     ) -> Option<JoinHandle<()>> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_status_of_the_filter_records() {
+        assert_eq!(record_status(b"IDR2\x00\xc9\x00\x00\x00"), Some(201));
+        assert_eq!(record_status(b"IDR1\x01\xf4"), Some(500));
+        assert_eq!(record_status(b"IDR3\x00\xc9"), None);
+        assert_eq!(record_status(b"IDR2\x00"), None);
+        assert_eq!(record_status(b""), None);
     }
 }

@@ -16,7 +16,10 @@ use bytes::Bytes;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::{pubsub, Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result};
+use super::{
+    pubsub, record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Inspection,
+    LockInfo, RecordInfo, ReleaseOutcome, Result, RECORD_HEAD_BYTES,
+};
 use crate::waiters::{RemoteWakeups, Waiters};
 
 #[derive(Clone)]
@@ -35,6 +38,8 @@ struct Scripts {
     begin: Script,
     commit: Script,
     release: Script,
+    inspect: Script,
+    delete: Script,
 }
 
 impl<C> std::fmt::Debug for RedisBackend<C> {
@@ -49,6 +54,8 @@ impl Scripts {
             begin: Script::new(include_str!("scripts/begin.lua")),
             commit: Script::new(include_str!("scripts/commit.lua")),
             release: Script::new(include_str!("scripts/release.lua")),
+            inspect: Script::new(include_str!("scripts/inspect.lua")),
+            delete: Script::new(include_str!("scripts/delete.lua")),
         }
     }
 }
@@ -118,6 +125,63 @@ fn waiter_key(key: &str) -> String {
     format!("idem:{{{key}}}:w")
 }
 
+/// The store key a record or lock key of ours (as [`record_key`] and [`lock_key`] spell them)
+/// belongs to, with the kind of key; `None` for any other key.
+fn parse_key(redis_key: &[u8]) -> Option<(String, Kind)> {
+    let text = std::str::from_utf8(redis_key).ok()?;
+    let key = text.split_once('{')?.1.split_once('}')?.0;
+    if text == record_key(key) {
+        Some((key.to_owned(), Kind::Record))
+    } else if text == lock_key(key) {
+        Some((key.to_owned(), Kind::Lock))
+    } else {
+        None
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Record,
+    Lock,
+}
+
+/// Keys each `SCAN` call asks a node to look at (a hint: a call returns about as many keys as
+/// match among them).
+const SCAN_COUNT: u64 = 1000;
+
+/// A PTTL reply as a lifetime: `None` for a key without expiry (-1); -2 (no key) never gets here.
+fn pttl(ms: i64) -> Option<Duration> {
+    u64::try_from(ms).ok().map(Duration::from_millis)
+}
+
+fn parse_inspection(reply: Value) -> Result<Inspection> {
+    let garbage = || garbage("inspect");
+    let Value::Array(items) = reply else { return Err(garbage()) };
+    let [Value::Int(len), head, Value::Int(record_pttl), Value::Int(lock_pttl)] = items.as_slice() else {
+        return Err(garbage());
+    };
+    let head: Vec<u8> = match head {
+        Value::BulkString(bytes) => bytes.clone(),
+        Value::SimpleString(text) => text.clone().into_bytes(),
+        _ => return Err(garbage()),
+    };
+    let record = if *record_pttl == -2 {
+        None
+    } else {
+        // The stored value is the 64-hex body hash followed by the filter's record (a value set
+        // by hand may be anything: shown as it is).
+        let split = head.len().min(64);
+        Some(RecordInfo {
+            body_hash: String::from_utf8_lossy(&head[..split]).into_owned(),
+            bytes: usize::try_from(*len).map_err(|_| garbage())?.saturating_sub(64),
+            status: record_status(&head[split..]),
+            ttl: pttl(*record_pttl),
+        })
+    };
+    let lock = (*lock_pttl != -2).then(|| LockInfo { ttl: pttl(*lock_pttl) });
+    Ok(Inspection { record, lock })
+}
+
 fn unavailable(e: RedisError) -> BackendError {
     BackendError::Unavailable(e.to_string())
 }
@@ -160,6 +224,129 @@ impl<C> RedisBackend<C> {
     }
 }
 
+impl<C: Scan + Clone + Send + Sync> RedisBackend<C> {
+    /// Calls `each` with every key matching `pattern` on every node that holds keys, until it
+    /// returns `false`. One `SCAN` call at a time, each bounded by the timeout: never `KEYS`,
+    /// which would block Redis for the whole keyspace. A key may come twice (`SCAN` returns a
+    /// key again while Redis resizes its table) and one created or deleted meanwhile may be
+    /// missed: good enough for an operator's count.
+    async fn scan(&self, pattern: &str, mut each: impl FnMut(&[u8]) -> bool + Send) -> Result<()> {
+        let mut conn = self.conn.clone();
+        let nodes = self.bounded(conn.nodes()).await?;
+        for node in &nodes {
+            let mut cursor = 0;
+            loop {
+                let (next, keys) = self.bounded(conn.scan_step(node, cursor, pattern)).await?;
+                for key in &keys {
+                    if !each(key) {
+                        return Ok(());
+                    }
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A node to `SCAN`: the server itself (standalone), or a cluster master by its address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Node {
+    This,
+    At { host: String, port: u16 },
+}
+
+/// How the operator's tools walk the keyspace: every node holding keys, one `SCAN` call at a
+/// time.
+pub trait Scan {
+    /// The nodes that hold keys: the server, or every cluster master.
+    fn nodes(&mut self) -> impl std::future::Future<Output = RedisResult<Vec<Node>>> + Send;
+
+    /// One `SCAN <cursor> MATCH <pattern> COUNT ...` on `node`: the next cursor (0: done) and keys.
+    fn scan_step(
+        &mut self,
+        node: &Node,
+        cursor: u64,
+        pattern: &str,
+    ) -> impl std::future::Future<Output = RedisResult<(u64, Vec<Vec<u8>>)>> + Send;
+}
+
+fn scan_cmd(cursor: u64, pattern: &str) -> ::redis::Cmd {
+    let mut cmd = ::redis::cmd("SCAN");
+    cmd.arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(SCAN_COUNT);
+    cmd
+}
+
+impl Scan for ConnectionManager {
+    async fn nodes(&mut self) -> RedisResult<Vec<Node>> {
+        Ok(vec![Node::This])
+    }
+
+    async fn scan_step(
+        &mut self,
+        _node: &Node,
+        cursor: u64,
+        pattern: &str,
+    ) -> RedisResult<(u64, Vec<Vec<u8>>)> {
+        scan_cmd(cursor, pattern).query_async(self).await
+    }
+}
+
+impl Scan for ClusterConnection {
+    /// Every master, by the address the client knows it by: a `PING` to all of them answers
+    /// with one reply per address.
+    async fn nodes(&mut self) -> RedisResult<Vec<Node>> {
+        use ::redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+        let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+        let reply = self.route_command(::redis::cmd("PING"), routing).await?;
+        let Value::Map(replies) = reply else {
+            return Err(RedisError::from((
+                ::redis::ErrorKind::Client,
+                "PING to every master: not one reply per node",
+            )));
+        };
+        let mut nodes = Vec::with_capacity(replies.len());
+        for (addr, _) in replies {
+            let addr: String = ::redis::from_redis_value(addr)?;
+            let parsed = addr.rsplit_once(':').and_then(|(host, port)| {
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                Some(Node::At { host: host.to_owned(), port: port.parse().ok()? })
+            });
+            match parsed {
+                Some(node) => nodes.push(node),
+                None => {
+                    return Err(RedisError::from((
+                        ::redis::ErrorKind::Client,
+                        "a cluster master's address",
+                        addr,
+                    )))
+                }
+            }
+        }
+        Ok(nodes)
+    }
+
+    async fn scan_step(
+        &mut self,
+        node: &Node,
+        cursor: u64,
+        pattern: &str,
+    ) -> RedisResult<(u64, Vec<Vec<u8>>)> {
+        use ::redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let routing = match node {
+            Node::At { host, port } => {
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port })
+            }
+            Node::This => RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+        };
+        let reply = self.route_command(scan_cmd(cursor, pattern), routing).await?;
+        Ok(::redis::from_redis_value(reply)?)
+    }
+}
+
 /// How `/healthz` asks Redis whether it answers.
 pub trait Ping {
     fn ping(&mut self) -> impl std::future::Future<Output = RedisResult<()>> + Send;
@@ -185,7 +372,7 @@ impl Ping for ClusterConnection {
 
 impl<C> Backend for RedisBackend<C>
 where
-    C: ConnectionLike + Ping + Clone + Send + Sync + 'static,
+    C: ConnectionLike + Ping + Scan + Clone + Send + Sync + 'static,
 {
     async fn try_begin(
         &self,
@@ -227,6 +414,56 @@ where
         self.bounded(conn.ping()).await
     }
 
+    async fn inspect(&self, key: &str) -> Result<Inspection> {
+        let mut script = self.scripts.inspect.key(record_key(key));
+        script.key(lock_key(key)).arg(64 + RECORD_HEAD_BYTES - 1);
+        let reply: Value = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
+        parse_inspection(reply)
+    }
+
+    async fn delete(&self, key: &str) -> Result<Deleted> {
+        let mut script = self.scripts.delete.key(record_key(key));
+        script.key(lock_key(key)).key(waiter_key(key)).arg(pubsub::CHANNEL).arg(key);
+        let (record, lock): (i64, i64) = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
+        Ok(Deleted { record: record == 1, lock: lock == 1 })
+    }
+
+    async fn counts(&self) -> Result<Counts> {
+        let mut counts = Counts::default();
+        // The patterns are the key names with `*` for the store key, so they match exactly
+        // what `record_key` and `lock_key` make.
+        self.scan(&record_key("*"), |k| {
+            counts.records += u64::from(parse_key(k).is_some_and(|(_, kind)| kind == Kind::Record));
+            true
+        })
+        .await?;
+        self.scan(&lock_key("*"), |k| {
+            counts.locks += u64::from(parse_key(k).is_some_and(|(_, kind)| kind == Kind::Lock));
+            true
+        })
+        .await?;
+        Ok(counts)
+    }
+
+    async fn find(&self, prefix: &str, limit: usize) -> Result<Vec<String>> {
+        let mut found = std::collections::BTreeSet::new();
+        let pattern = format!("{prefix}*");
+        for redis_pattern in [record_key(&pattern), lock_key(&pattern)] {
+            if found.len() >= limit {
+                break;
+            }
+            // A set: a key with both a record and a lock, or returned twice by SCAN, is one key.
+            self.scan(&redis_pattern, |k| {
+                if let Some((key, _)) = parse_key(k).filter(|(key, _)| key.starts_with(prefix)) {
+                    found.insert(key);
+                }
+                found.len() < limit
+            })
+            .await?;
+        }
+        Ok(found.into_iter().collect())
+    }
+
     fn spawn_remote_wakeups(
         &self,
         waiters: Weak<Waiters>,
@@ -245,6 +482,46 @@ mod tests {
         assert_eq!(record_key("ab"), "idem:{ab}:r");
         assert_eq!(lock_key("ab"), "idem:{ab}:l");
         assert_eq!(waiter_key("ab"), "idem:{ab}:w");
+    }
+
+    #[test]
+    fn parses_inspections() {
+        let bulk = |s: &[u8]| Value::BulkString(s.to_vec());
+        let hash = "a".repeat(64);
+        let head = [hash.as_bytes(), b"IDR2\x01\x96"].concat();
+        let reply = |len, head: &[u8], r, l| {
+            Value::Array(vec![Value::Int(len), bulk(head), Value::Int(r), Value::Int(l)])
+        };
+        let seen = parse_inspection(reply(64 + 300, &head, 5_000, -2)).unwrap();
+        let record = seen.record.unwrap();
+        assert_eq!((record.status, record.bytes, record.ttl), (Some(406), 300, Some(Duration::from_secs(5))));
+        assert_eq!((record.body_hash, seen.lock), (hash, None));
+        let seen = parse_inspection(reply(0, b"", -2, 1_500)).unwrap();
+        assert_eq!(
+            (seen.record, seen.lock),
+            (None, Some(LockInfo { ttl: Some(Duration::from_millis(1500)) }))
+        );
+        assert!(parse_inspection(reply(0, b"", -2, -2)).unwrap().is_empty());
+        // Set by hand: short, not a filter record, no expiry.
+        let seen = parse_inspection(reply(3, b"abc", -1, -1)).unwrap();
+        let record = seen.record.unwrap();
+        assert_eq!(
+            (record.status, record.bytes, record.ttl, record.body_hash.as_str()),
+            (None, 0, None, "abc")
+        );
+        assert_eq!(seen.lock, Some(LockInfo { ttl: None }));
+        assert!(parse_inspection(Value::Okay).is_err());
+        assert!(parse_inspection(Value::Array(vec![Value::Int(1)])).is_err());
+    }
+
+    #[test]
+    fn parses_our_keys_only() {
+        let key = "ab".repeat(32);
+        assert_eq!(parse_key(record_key(&key).as_bytes()), Some((key.clone(), Kind::Record)));
+        assert_eq!(parse_key(lock_key(&key).as_bytes()), Some((key.clone(), Kind::Lock)));
+        assert_eq!(parse_key(waiter_key(&key).as_bytes()), None);
+        assert_eq!(parse_key(b"idem:wake"), None);
+        assert_eq!(parse_key(b"idem:{a}:r:x"), None);
     }
 
     #[test]

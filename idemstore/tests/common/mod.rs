@@ -540,3 +540,90 @@ impl std::fmt::Display for Percentiles {
         write!(f, "p50 {:.2?}, p99 {:.2?}, max {:.2?}", self.p50, self.p99, self.max)
     }
 }
+
+/// A record as the filter writes them (`IDR2`, status 201): what the operator's lookup reads
+/// the status from.
+pub fn filter_record(body: &[u8]) -> Bytes {
+    let mut record = b"IDR2\x00\xc9\x00\x00\x00".to_vec();
+    record.extend_from_slice(body);
+    Bytes::from(record)
+}
+
+/// The operator's tools on `backend`: inspect a record, a lock, both and nothing; count them
+/// (as deltas: the backend may hold other scenarios' keys) over `extra` more records spread
+/// wherever their keys fall; find a key by its prefix; delete record and lock, and delete
+/// nothing a second time.
+pub async fn operator_tools<B: Backend>(backend: &B, extra: u64) {
+    use idemstore::backend::{Attempt, Deleted};
+    let before = backend.counts().await.unwrap();
+    let (recorded, locked, both, nothing) = (key(), key(), key(), key());
+    let token = new_token();
+    assert_eq!(backend.try_begin(&recorded, &hash('a'), &token, TTL).await.unwrap(), Attempt::Locked);
+    let record = filter_record(b"{\"id\":1}");
+    let stored = backend.commit(&recorded, &token, &hash('a'), record.clone(), DAY).await.unwrap();
+    assert_eq!(stored, CommitOutcome::Stored);
+    assert_eq!(backend.try_begin(&locked, &hash('a'), "t1", TTL).await.unwrap(), Attempt::Locked);
+    // A lock, and a record committed late by another token: both at once.
+    assert_eq!(backend.try_begin(&both, &hash('b'), "t2", TTL).await.unwrap(), Attempt::Locked);
+    let late = backend.commit(&both, "t3", &hash('b'), Bytes::from_static(b"not a filter record"), DAY).await;
+    assert_eq!(late.unwrap(), CommitOutcome::Late);
+    for _ in 0..extra {
+        backend.commit(&key(), "t", &hash('c'), Bytes::from_static(b"x"), TTL).await.unwrap();
+    }
+
+    let seen = backend.inspect(&recorded).await.unwrap();
+    assert_eq!(seen.lock, None, "the commit released the lock");
+    let r = seen.record.expect("the record");
+    assert_eq!((r.status, r.bytes, r.body_hash.as_str()), (Some(201), record.len(), hash('a').as_str()));
+    let ttl = r.ttl.expect("a record expires");
+    assert!(ttl <= DAY && ttl > DAY - Duration::from_secs(60), "{ttl:?}");
+
+    let seen = backend.inspect(&locked).await.unwrap();
+    assert_eq!(seen.record, None);
+    let ttl = seen.lock.and_then(|l| l.ttl).expect("a lock with its lifetime");
+    assert!(ttl <= TTL && ttl > TTL - Duration::from_secs(10), "{ttl:?}");
+
+    let seen = backend.inspect(&both).await.unwrap();
+    assert!(seen.lock.is_some());
+    let r = seen.record.expect("the late record");
+    assert_eq!((r.status, r.bytes), (None, b"not a filter record".len()), "not a filter record: no status");
+
+    assert!(backend.inspect(&nothing).await.unwrap().is_empty());
+
+    let after = backend.counts().await.unwrap();
+    assert_eq!(after.records - before.records, 2 + extra, "records: {before:?} -> {after:?}");
+    assert_eq!(after.locks - before.locks, 2, "locks: {before:?} -> {after:?}");
+
+    assert_eq!(backend.find(&recorded[..12], 10).await.unwrap(), [recorded.as_str()]);
+    assert_eq!(backend.find(&locked[..8], 10).await.unwrap(), [locked.as_str()], "a lock alone is found too");
+    assert_eq!(backend.find(&both, 10).await.unwrap(), [both.as_str()], "a record and a lock: one key");
+    assert!(backend.find(&nothing[..16], 10).await.unwrap().is_empty());
+    assert_eq!(backend.find("", 2).await.unwrap().len(), 2, "at most the limit");
+
+    assert_eq!(backend.delete(&both).await.unwrap(), Deleted { record: true, lock: true });
+    assert!(backend.inspect(&both).await.unwrap().is_empty());
+    assert_eq!(backend.delete(&both).await.unwrap(), Deleted::default());
+    assert_eq!(backend.delete(&recorded).await.unwrap(), Deleted { record: true, lock: false });
+    assert_eq!(backend.delete(&locked).await.unwrap(), Deleted { record: false, lock: true });
+    assert_eq!(backend.delete(&nothing).await.unwrap(), Deleted::default());
+    // The key is free again: the next request runs.
+    assert_eq!(backend.try_begin(&recorded, &hash('a'), "t4", TTL).await.unwrap(), Attempt::Locked);
+    let last = backend.counts().await.unwrap();
+    assert_eq!((last.records, last.locks), (before.records + extra, before.locks + 1));
+}
+
+/// An operator deletes a lock a duplicate waits on, through instance `one`: the duplicate,
+/// parked on `two` with 60 s re-checks, is woken and takes the lock.
+pub async fn delete_wakes_other_instance<B: Backend>(one: &Arc<Store<B>>, two: &Arc<Store<B>>) {
+    let key = key();
+    let token = lock(one, &key).await;
+    let waiter = parked_begin(two, &key).await;
+    let called = Instant::now();
+    let deleted = idemstore::admin::delete(one.backend(), &key).await.unwrap();
+    assert!(deleted.deleted_lock && !deleted.deleted_record);
+    let (begun, answered) = waiter.await.unwrap();
+    let Begin::Locked { token: second } = begun else { panic!("expected locked, got {begun:?}") };
+    assert_ne!(second, token);
+    let took = answered.saturating_duration_since(called);
+    assert!(took < Duration::from_secs(1), "woken after {took:?}");
+}

@@ -1,0 +1,723 @@
+//! `idemstore records ...`: the operator's tools for the bad day a wrong answer was stored.
+//! Look up or delete one store key's record and lock, named by the request it was made for
+//! (subject, method, route, client key: derived as the filter derives it, `idem_protocol::key`)
+//! or by the store key itself or a prefix of it; count the records and locks. Against Redis or
+//! Redis Cluster directly, through the same backend code the service runs, or through a running
+//! idemstore's admin routes ([`crate::admin`]), with its shared secret.
+//!
+//! Exit status: 0 found (and deleted), 1 nothing found (and nothing deleted), 2 anything else
+//! (a usage error, a store that cannot be reached, a refused secret).
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use http_body_util::{BodyExt, Empty};
+use hyper::{Method, Request, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
+use idem_protocol as proto;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::net::TcpStream;
+
+use crate::admin::{self, CountsReport, DeleteReport, FindReport, KeyReport, LockReport, RecordReport};
+use crate::backend::redis::RedisBackend;
+use crate::backend::{Backend, BackendError};
+use crate::secret::Secret;
+
+/// How an operator names the request whose record is wrong; shown by `--help`.
+pub const KEY_HELP: &str = "\
+Naming the record. The filter stores a request's answer under its store key: SHA-256 over the
+caller (subject), the method, the route and the client's Idempotency-Key. Give the same four
+values it used and this derives the same key:
+
+  --subject  who the caller was, in the filter's own form:
+               id:<caller>       the value of the filter's `subject` (the header Envoy sets, or
+                                 the metadata such as jwt_authn's `sub`), e.g. id:user-42
+               anon:<client IP>  without a `subject`, or a request that lacked it: Envoy's
+                                 source.address without its port, e.g. anon:203.0.113.7
+               idx:<hex>         a caller value that is not UTF-8 (a numeric claim), hex-encoded
+               inbox:<source>    inbox mode: the message's source (ce-source, ...)
+  --method   the request's method (upper-cased, as the filter does)
+  --route    the `name` of the Envoy route the request took; for a route without a name, the
+             request path without its query string (e.g. /orders/17)
+  --key      the Idempotency-Key as the client sent it (\"abc\" quoted means abc); in inbox
+             mode, the message id
+
+Or give --store-key: the 64 hex characters the filter hands the application in its
+`store_key_header`, or at least 8 of the first ones (the filter's debug log lines,
+`request <x-request-id> key <12 hex>: ...`, show 12).
+
+Where: --redis / --redis-cluster read Redis directly (default: $IDEMSTORE_REDIS, else
+$IDEMSTORE_REDIS_CLUSTER, as the service reads them); --url goes through a running idemstore,
+with its secret from --secret-file, $IDEMSTORE_SECRET_FILE or $IDEMSTORE_SECRET.
+
+Each Envoy worker keeps records it replayed in its record cache (record_cache_entries) and
+replays them until they expire, without asking the store: after a delete, a retry that reaches
+such a worker still replays, until the record's retention runs out or Envoy restarts. Run the
+filter with record_cache_entries: 0 where records may have to be deleted.
+
+Exit status: 0 found (deleted), 1 nothing found (nothing deleted), 2 error.";
+
+#[derive(Debug, Subcommand)]
+pub enum Records {
+    /// What a store key holds: its record (the answer's status, size, lifetime, request body hash)
+    /// and its lock.
+    #[command(after_long_help = KEY_HELP)]
+    Lookup(KeyCommand),
+    /// Delete a store key's record and its lock: the next retry of that request runs again.
+    #[command(after_long_help = KEY_HELP)]
+    Delete(KeyCommand),
+    /// Count the records and locks the store holds (Redis: SCAN on every master, never KEYS;
+    /// approximate while keys come and go).
+    Count(CountCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct KeyCommand {
+    #[command(flatten)]
+    pub key: KeyArgs,
+    #[command(flatten)]
+    pub target: Target,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CountCommand {
+    #[command(flatten)]
+    pub target: Target,
+    /// Print the counts as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The record, by the request it was made for or by its store key (see [`KEY_HELP`]).
+#[derive(Debug, Args)]
+pub struct KeyArgs {
+    /// The store key (64 hex characters), or at least 8 of its first characters.
+    #[arg(
+        long,
+        value_name = "HEX",
+        conflicts_with_all = ["subject", "method", "route", "key"],
+        required_unless_present = "subject"
+    )]
+    pub store_key: Option<String>,
+
+    /// The caller, as the filter names it: id:<caller>, anon:<client IP>, idx:<hex> or
+    /// inbox:<source>.
+    #[arg(long, value_name = "SUBJECT", requires_all = ["method", "route", "key"])]
+    pub subject: Option<String>,
+
+    /// The request's method, e.g. POST.
+    #[arg(long, value_name = "METHOD", requires = "subject")]
+    pub method: Option<String>,
+
+    /// The Envoy route's name, or the path without its query for a route without a name.
+    #[arg(long, value_name = "ROUTE", requires = "subject")]
+    pub route: Option<String>,
+
+    /// The client's Idempotency-Key (inbox mode: the message id).
+    #[arg(long, value_name = "KEY", requires = "subject")]
+    pub key: Option<String>,
+}
+
+/// Where the records are: Redis, Redis Cluster, or a running idemstore.
+#[derive(Debug, Args)]
+pub struct Target {
+    /// Standalone Redis URL, as idemstore's --redis (default: $IDEMSTORE_REDIS).
+    #[arg(long, value_name = "URL", conflicts_with_all = ["redis_cluster", "url"])]
+    pub redis: Option<String>,
+
+    /// Redis Cluster seed node URLs, comma-separated (default: $IDEMSTORE_REDIS_CLUSTER).
+    #[arg(long, value_name = "URLS", value_delimiter = ',', conflicts_with = "url")]
+    pub redis_cluster: Vec<String>,
+
+    /// A running idemstore, e.g. http://idemstore:8380: through its admin routes.
+    #[arg(long, value_name = "URL")]
+    pub url: Option<String>,
+
+    /// With --url: the file holding idemstore's shared secret (default: $IDEMSTORE_SECRET_FILE,
+    /// or the secret itself in $IDEMSTORE_SECRET).
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+
+    /// Timeout of each call to Redis or idemstore, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 5000)]
+    pub timeout_ms: u64,
+}
+
+/// A failure: its message, for stderr (exit status 2).
+type Failure = String;
+
+/// Runs one `idemstore records` command: prints its report on stdout, a failure on stderr.
+pub async fn run(command: Records) -> ExitCode {
+    match execute(&command, |name| std::env::var(name).ok().filter(|v| !v.is_empty())).await {
+        Ok(Outcome { found, text }) => {
+            print!("{text}");
+            if found {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("idemstore records: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// What a command printed, and whether it found what it was asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub found: bool,
+    pub text: String,
+}
+
+/// Runs `command`, reading the environment through `env` (tests pass their own).
+pub async fn execute(command: &Records, env: impl Fn(&str) -> Option<String>) -> Result<Outcome, Failure> {
+    let target = match command {
+        Records::Lookup(c) | Records::Delete(c) => &c.target,
+        Records::Count(c) => &c.target,
+    };
+    let timeout = Duration::from_millis(target.timeout_ms.max(1));
+    match Where::of(target, &env)? {
+        Where::Redis(url) => {
+            let backend = RedisBackend::standalone(&url, timeout).map_err(|e| format!("--redis: {e}"))?;
+            perform(&Direct(backend), command).await
+        }
+        Where::Cluster(urls) => {
+            let backend =
+                RedisBackend::cluster(&urls, timeout).map_err(|e| format!("--redis-cluster: {e}"))?;
+            perform(&Direct(backend), command).await
+        }
+        Where::Idemstore(url) => {
+            let secret = secret(target, &env)?;
+            perform(&HttpStore::new(&url, secret, timeout)?, command).await
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Where {
+    Redis(String),
+    Cluster(Vec<String>),
+    Idemstore(String),
+}
+
+impl Where {
+    /// The flags, else the service's own environment variables. clap cannot mix the two: a
+    /// variable would then count as a flag and conflict with another flag given.
+    fn of(target: &Target, env: &impl Fn(&str) -> Option<String>) -> Result<Self, Failure> {
+        if let Some(url) = &target.url {
+            return Ok(Self::Idemstore(url.clone()));
+        }
+        if let Some(url) = &target.redis {
+            return Ok(Self::Redis(url.clone()));
+        }
+        if !target.redis_cluster.is_empty() {
+            return Ok(Self::Cluster(target.redis_cluster.clone()));
+        }
+        match (env("IDEMSTORE_REDIS"), env("IDEMSTORE_REDIS_CLUSTER")) {
+            (Some(_), Some(_)) => Err("both IDEMSTORE_REDIS and IDEMSTORE_REDIS_CLUSTER are set: \
+                 say which with --redis or --redis-cluster"
+                .into()),
+            (Some(url), None) => Ok(Self::Redis(url)),
+            (None, Some(urls)) => Ok(Self::Cluster(urls.split(',').map(str::to_owned).collect())),
+            (None, None) => Err("where are the records? Give --redis URL, --redis-cluster URLS or \
+                 --url http://IDEMSTORE:8380 (or set IDEMSTORE_REDIS / IDEMSTORE_REDIS_CLUSTER)"
+                .into()),
+        }
+    }
+}
+
+fn secret(target: &Target, env: &impl Fn(&str) -> Option<String>) -> Result<Option<Secret>, Failure> {
+    let file = target.secret_file.clone().or_else(|| env("IDEMSTORE_SECRET_FILE").map(PathBuf::from));
+    match (file, env("IDEMSTORE_SECRET")) {
+        (Some(path), _) => Secret::from_file(&path).map(Some).map_err(|e| format!("--secret-file: {e}")),
+        (None, Some(value)) => Secret::new(&value).map(Some).map_err(|e| format!("IDEMSTORE_SECRET: {e}")),
+        (None, None) => Ok(None),
+    }
+}
+
+/// The record as the operator named it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Named {
+    /// A whole store key, given or derived (with what it was derived from).
+    Key { store_key: String, derived: Option<String> },
+    /// The first characters of a store key.
+    Prefix(String),
+}
+
+fn named(args: &KeyArgs) -> Result<Named, Failure> {
+    if let Some(given) = &args.store_key {
+        let given = given.trim().to_ascii_lowercase();
+        return if proto::is_hex64(given.as_bytes()) {
+            Ok(Named::Key { store_key: given, derived: None })
+        } else if admin::is_prefix(&given) {
+            Ok(Named::Prefix(given))
+        } else {
+            Err(format!(
+                "--store-key: 64 hex characters, or at least {} of the first ones",
+                admin::MIN_PREFIX
+            ))
+        };
+    }
+    let (Some(subject), Some(method), Some(route), Some(key)) =
+        (&args.subject, &args.method, &args.route, &args.key)
+    else {
+        return Err("give --store-key, or all of --subject, --method, --route and --key".into());
+    };
+    if !proto::key::is_filter_subject(subject.as_bytes()) {
+        return Err(format!(
+            "--subject {subject:?}: the filter's subjects are id:<caller>, anon:<client IP>, \
+             idx:<hex> or inbox:<source> (see --help)"
+        ));
+    }
+    for (flag, value) in [("--method", method), ("--route", route), ("--key", key)] {
+        if value.is_empty() {
+            return Err(format!("{flag} must not be empty"));
+        }
+    }
+    // The filter upper-cases the method before it derives the key.
+    let method = method.to_ascii_uppercase();
+    let store_key = proto::store_key(subject, &method, route, key);
+    let derived = format!("subject {subject:?}, method {method}, route {route:?}, key {key:?}");
+    Ok(Named::Key { store_key, derived: Some(derived) })
+}
+
+/// The four operations, whether on a backend or through idemstore's routes.
+trait Admin {
+    async fn lookup(&self, store_key: &str) -> Result<KeyReport, Failure>;
+    async fn delete(&self, store_key: &str) -> Result<DeleteReport, Failure>;
+    async fn find(&self, prefix: &str) -> Result<FindReport, Failure>;
+    async fn counts(&self) -> Result<CountsReport, Failure>;
+}
+
+/// Straight on a backend (Redis, Redis Cluster; in memory for tests).
+pub struct Direct<B>(pub B);
+
+fn backend_failure(e: BackendError) -> Failure {
+    match e {
+        BackendError::Unavailable(why) => format!("the store did not answer: {why}"),
+        BackendError::Full => "the store is full".into(),
+    }
+}
+
+impl<B: Backend> Admin for Direct<B> {
+    async fn lookup(&self, store_key: &str) -> Result<KeyReport, Failure> {
+        admin::lookup(&self.0, store_key).await.map_err(backend_failure)
+    }
+
+    async fn delete(&self, store_key: &str) -> Result<DeleteReport, Failure> {
+        admin::delete(&self.0, store_key).await.map_err(backend_failure)
+    }
+
+    async fn find(&self, prefix: &str) -> Result<FindReport, Failure> {
+        admin::find(&self.0, prefix).await.map_err(backend_failure)
+    }
+
+    async fn counts(&self) -> Result<CountsReport, Failure> {
+        admin::counts(&self.0).await.map_err(backend_failure)
+    }
+}
+
+/// Through a running idemstore's admin routes, over HTTP/1.1.
+struct HttpStore {
+    /// `host:port`, to connect to and for the `host` header.
+    authority: String,
+    /// The URL's path, without a trailing slash (idemstore behind a path prefix).
+    base: String,
+    secret: Option<Secret>,
+    timeout: Duration,
+}
+
+impl HttpStore {
+    fn new(url: &str, secret: Option<Secret>, timeout: Duration) -> Result<Self, Failure> {
+        let uri: Uri = url.parse().map_err(|e| format!("--url {url}: {e}"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(format!("--url {url}: idemstore speaks plain http://"));
+        }
+        let authority = uri.authority().ok_or_else(|| format!("--url {url}: no host"))?;
+        let authority = format!("{}:{}", authority.host(), authority.port_u16().unwrap_or(80));
+        Ok(Self { authority, base: uri.path().trim_end_matches('/').to_owned(), secret, timeout })
+    }
+
+    async fn call<T: DeserializeOwned>(&self, method: Method, path: &str) -> Result<T, Failure> {
+        let url = format!("http://{}{}{path}", self.authority, self.base);
+        let exchange = async {
+            let stream = TcpStream::connect(&self.authority).await.map_err(|e| format!("{url}: {e}"))?;
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                .await
+                .map_err(|e| format!("{url}: {e}"))?;
+            tokio::spawn(conn);
+            let mut request = Request::builder()
+                .method(method)
+                .uri(format!("{}{path}", self.base))
+                .header(hyper::header::HOST, &self.authority);
+            if let Some(secret) = &self.secret {
+                request = request.header(proto::HEADER_SECRET, secret.as_bytes());
+            }
+            let request = request.body(Empty::<Bytes>::new()).map_err(|e| format!("{url}: {e}"))?;
+            let response = sender.send_request(request).await.map_err(|e| format!("{url}: {e}"))?;
+            let status = response.status();
+            let body = response.into_body().collect().await.map_err(|e| format!("{url}: {e}"))?.to_bytes();
+            Ok::<_, Failure>((status, body))
+        };
+        let (status, body) = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .map_err(|_| format!("{url}: no answer within {:?}", self.timeout))??;
+        let text = String::from_utf8_lossy(&body);
+        match status {
+            StatusCode::OK => serde_json::from_slice(&body).map_err(|e| format!("{url}: not a report: {e}")),
+            StatusCode::UNAUTHORIZED => Err(format!(
+                "{url}: idemstore refused the secret (401): give its secret with --secret-file \
+                 (or IDEMSTORE_SECRET)"
+            )),
+            StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED => {
+                Err(format!("{url}: {status}: not an idemstore with the admin routes"))
+            }
+            _ => Err(format!("{url}: {status}: {}", text.trim())),
+        }
+    }
+}
+
+impl Admin for HttpStore {
+    async fn lookup(&self, store_key: &str) -> Result<KeyReport, Failure> {
+        self.call(Method::GET, &format!("{}/{store_key}", admin::PATH_RECORDS)).await
+    }
+
+    async fn delete(&self, store_key: &str) -> Result<DeleteReport, Failure> {
+        self.call(Method::DELETE, &format!("{}/{store_key}", admin::PATH_RECORDS)).await
+    }
+
+    async fn find(&self, prefix: &str) -> Result<FindReport, Failure> {
+        self.call(Method::GET, &format!("{}?prefix={prefix}", admin::PATH_RECORDS)).await
+    }
+
+    async fn counts(&self) -> Result<CountsReport, Failure> {
+        self.call(Method::GET, admin::PATH_COUNTS).await
+    }
+}
+
+/// Runs `command` on `admin` and renders its report.
+async fn perform(admin: &impl Admin, command: &Records) -> Result<Outcome, Failure> {
+    let (c, delete) = match command {
+        Records::Lookup(c) => (c, false),
+        Records::Delete(c) => (c, true),
+        Records::Count(c) => {
+            let counts = admin.counts().await?;
+            let text = if c.json {
+                json_line(&counts)?
+            } else {
+                format!("records  {}\nlocks    {}\n", counts.records, counts.locks)
+            };
+            return Ok(Outcome { found: true, text });
+        }
+    };
+    let (store_key, how) = match named(&c.key)? {
+        Named::Key { store_key, derived } => (store_key, derived.map(|d| format!("derived from {d}"))),
+        Named::Prefix(prefix) => {
+            let found = admin.find(&prefix).await?;
+            match found.store_keys.as_slice() {
+                [] if c.json => return Ok(Outcome { found: false, text: json_line(&found)? }),
+                [] => {
+                    let also = if delete { ", nothing deleted" } else { "" };
+                    let text = format!("nothing found for store key prefix {prefix}{also}\n");
+                    return Ok(Outcome { found: false, text });
+                }
+                [one] => (one.clone(), Some(format!("the only store key starting with {prefix}"))),
+                many => {
+                    let more = if found.truncated { ", and more" } else { "" };
+                    return Err(format!(
+                        "store key prefix {prefix} matches {} keys ({}{more}): give more of it",
+                        many.len(),
+                        many.join(", ")
+                    ));
+                }
+            }
+        }
+    };
+    if delete {
+        let report = admin.delete(&store_key).await?;
+        let found = report.deleted_anything();
+        let text = if c.json { json_line(&report)? } else { render_delete(&report, how.as_deref()) };
+        Ok(Outcome { found, text })
+    } else {
+        let report = admin.lookup(&store_key).await?;
+        let found = report.record.is_some() || report.lock.is_some();
+        let text = if c.json { json_line(&report)? } else { render_lookup(&report, how.as_deref()) };
+        Ok(Outcome { found, text })
+    }
+}
+
+fn json_line(value: &impl Serialize) -> Result<String, Failure> {
+    serde_json::to_string(value).map(|s| s + "\n").map_err(|e| e.to_string())
+}
+
+/// `1h02m03s`, `2m03s`, `3.2s`.
+fn duration(ms: u64) -> String {
+    let s = ms / 1000;
+    match s {
+        3600.. => format!("{}h{:02}m{:02}s", s / 3600, s % 3600 / 60, s % 60),
+        60.. => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}.{}s", s, ms % 1000 / 100),
+    }
+}
+
+fn expiry(ttl_ms: Option<u64>) -> String {
+    ttl_ms.map_or_else(|| "no expiry".to_owned(), |ms| format!("expires in {}", duration(ms)))
+}
+
+fn record_line(r: &RecordReport) -> String {
+    let status = r
+        .status
+        .map_or_else(|| "status unknown (not a record the filter wrote)".into(), |s| format!("status {s}"));
+    format!("{status}, {} bytes, {}, request body hash {}", r.bytes, expiry(r.ttl_ms), r.body_hash)
+}
+
+fn lock_line(l: &LockReport) -> String {
+    format!("held, {}", expiry(l.ttl_ms))
+}
+
+fn head(
+    text: &mut String,
+    store_key: &str,
+    how: Option<&str>,
+    record: Option<&RecordReport>,
+    lock: Option<&LockReport>,
+) {
+    let _ = writeln!(text, "store key  {store_key}");
+    if let Some(how) = how {
+        let _ = writeln!(text, "           ({how})");
+    }
+    let _ = writeln!(text, "record     {}", record.map_or_else(|| "none".into(), record_line));
+    let _ = writeln!(text, "lock       {}", lock.map_or_else(|| "none".into(), lock_line));
+}
+
+fn render_lookup(report: &KeyReport, how: Option<&str>) -> String {
+    let mut text = String::new();
+    head(&mut text, &report.store_key, how, report.record.as_ref(), report.lock.as_ref());
+    if report.record.is_none() && report.lock.is_none() {
+        let _ = writeln!(text, "nothing found for store key {}", report.store_key);
+    }
+    text
+}
+
+fn render_delete(report: &DeleteReport, how: Option<&str>) -> String {
+    let mut text = String::new();
+    head(&mut text, &report.store_key, how, report.record.as_ref(), report.lock.as_ref());
+    let done: Vec<&str> = [(report.deleted_record, "deleted record"), (report.deleted_lock, "deleted lock")]
+        .into_iter()
+        .filter_map(|(done, what)| done.then_some(what))
+        .collect();
+    if done.is_empty() {
+        let _ = writeln!(text, "nothing found for store key {}, nothing deleted", report.store_key);
+    } else {
+        let _ = writeln!(text, "{}", done.join(", "));
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+    use super::*;
+    use crate::backend::memory::MemoryBackend;
+    use crate::backend::CommitOutcome;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        records: Records,
+    }
+
+    fn parse(args: &[&str]) -> Result<Records, clap::Error> {
+        Cli::try_parse_from(std::iter::once("records").chain(args.iter().copied())).map(|c| c.records)
+    }
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    const HASH: &str = "5d41402abc4b2a76b9719d911017c592aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+    /// A memory backend holding one record of a `201` under the key of
+    /// (anon:127.0.0.1, POST, orders, k-1), and its key.
+    async fn with_record() -> (MemoryBackend, String) {
+        let backend = MemoryBackend::new(100);
+        let key = proto::store_key("anon:127.0.0.1", "POST", "orders", "k-1");
+        let record = Bytes::from_static(b"IDR2\x00\xc9\x00\x00\x00body");
+        let stored = backend.commit(&key, "t", HASH, record, Duration::from_secs(3600)).await;
+        assert_eq!(stored, Ok(CommitOutcome::Late));
+        (backend, key)
+    }
+
+    async fn on(backend: &MemoryBackend, args: &[&str]) -> Result<Outcome, Failure> {
+        perform(&Direct(backend.clone()), &parse(args).unwrap()).await
+    }
+
+    const DERIVED: [&str; 8] =
+        ["--subject", "anon:127.0.0.1", "--method", "post", "--route", "orders", "--key", "k-1"];
+
+    #[tokio::test]
+    async fn lookup_and_delete_by_the_request() {
+        let (backend, key) = with_record().await;
+        let lookup = on(&backend, &[&["lookup"][..], &DERIVED].concat()).await.unwrap();
+        assert!(lookup.found);
+        assert!(lookup.text.contains(&format!("store key  {key}")), "{}", lookup.text);
+        assert!(lookup.text.contains("method POST"), "the method is upper-cased: {}", lookup.text);
+        assert!(lookup.text.contains("record     status 201, 13 bytes, expires in 59m"), "{}", lookup.text);
+        assert!(lookup.text.contains(&format!("request body hash {HASH}")));
+        assert!(lookup.text.contains("lock       none"));
+
+        let json = on(&backend, &[&["lookup", "--json"][..], &DERIVED].concat()).await.unwrap();
+        let report: KeyReport = serde_json::from_str(&json.text).unwrap();
+        assert_eq!(report.store_key, key);
+        assert_eq!(report.record.as_ref().map(|r| (r.status, r.bytes)), Some((Some(201), 13)));
+        assert_eq!(report.lock, None);
+
+        let deleted = on(&backend, &[&["delete"][..], &DERIVED].concat()).await.unwrap();
+        assert!(deleted.found);
+        assert!(deleted.text.ends_with("deleted record\n"), "{}", deleted.text);
+        assert!(backend.is_empty());
+
+        let again = on(&backend, &[&["delete"][..], &DERIVED].concat()).await.unwrap();
+        assert!(!again.found);
+        assert!(again.text.ends_with(&format!("nothing found for store key {key}, nothing deleted\n")));
+    }
+
+    #[tokio::test]
+    async fn a_wrong_subject_or_key_finds_nothing_and_deletes_nothing() {
+        let (backend, _) = with_record().await;
+        for (flag, wrong) in [("--subject", "anon:127.0.0.2"), ("--key", "k-2"), ("--route", "/orders")] {
+            let mut args = [&["delete"][..], &DERIVED].concat();
+            let at = args.iter().position(|a| *a == flag).unwrap();
+            args[at + 1] = wrong;
+            let outcome = on(&backend, &args).await.unwrap();
+            assert!(!outcome.found);
+            assert!(outcome.text.contains("nothing deleted"), "{}", outcome.text);
+            assert_eq!(backend.len(), 1);
+        }
+        // A subject the filter never derives is refused outright.
+        let mut args = [&["delete"][..], &DERIVED].concat();
+        args[2] = "127.0.0.1";
+        let e = on(&backend, &args).await.unwrap_err();
+        assert!(e.contains("id:<caller>, anon:<client IP>"), "{e}");
+        assert_eq!(backend.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn by_store_key_and_by_prefix() {
+        let (backend, key) = with_record().await;
+        let upper = key.to_uppercase();
+        for given in [key.as_str(), upper.as_str(), &key[..12], &key[..8]] {
+            let outcome = on(&backend, &["lookup", "--store-key", given]).await.unwrap();
+            assert!(outcome.found, "{given}");
+            assert!(outcome.text.contains(&format!("store key  {key}")));
+        }
+        let e = on(&backend, &["lookup", "--store-key", &key[..7]]).await.unwrap_err();
+        assert!(e.contains("at least 8"), "{e}");
+        let other = if key.starts_with('0') { "11111111" } else { "00000000" };
+        let none = on(&backend, &["delete", "--store-key", other]).await.unwrap();
+        assert_eq!(
+            none,
+            Outcome {
+                found: false,
+                text: format!("nothing found for store key prefix {other}, nothing deleted\n")
+            }
+        );
+        // Two keys under one prefix: the operator must give more of it.
+        let ninth = if key.as_bytes()[8] == b'0' { '1' } else { '0' };
+        let twin = format!("{}{ninth}{}", &key[..8], "f".repeat(55));
+        backend.commit(&twin, "t", HASH, Bytes::from_static(b"x"), Duration::from_secs(60)).await.unwrap();
+        let e = on(&backend, &["delete", "--store-key", &key[..8]]).await.unwrap_err();
+        assert!(e.contains("matches 2 keys") && e.contains(&twin), "{e}");
+        assert_eq!(backend.len(), 2);
+        let deleted = on(&backend, &["delete", "--store-key", &key[..9]]).await.unwrap();
+        assert!(
+            deleted.found
+                && deleted.text.contains(&format!("the only store key starting with {}", &key[..9]))
+        );
+        assert_eq!(backend.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn counts_and_locks() {
+        let (backend, _) = with_record().await;
+        let lock = proto::store_key("id:alice", "POST", "orders", "k-9");
+        let locked = backend.try_begin(&lock, HASH, "t", Duration::from_secs(30)).await.unwrap();
+        assert_eq!(locked, crate::backend::Attempt::Locked);
+        let counts = on(&backend, &["count"]).await.unwrap();
+        assert_eq!(counts.text, "records  1\nlocks    1\n");
+        let json: CountsReport =
+            serde_json::from_str(&on(&backend, &["count", "--json"]).await.unwrap().text).unwrap();
+        assert_eq!(json, CountsReport { records: 1, locks: 1 });
+        let args =
+            ["lookup", "--subject", "id:alice", "--method", "POST", "--route", "orders", "--key", "k-9"];
+        let lookup = on(&backend, &args).await.unwrap();
+        assert!(lookup.text.contains("record     none\nlock       held, expires in "), "{}", lookup.text);
+        let mut args = args;
+        args[0] = "delete";
+        assert!(on(&backend, &args).await.unwrap().text.ends_with("\ndeleted lock\n"));
+    }
+
+    #[test]
+    fn flags() {
+        assert!(parse(&["lookup", "--store-key", "ab", "--subject", "id:a"]).is_err());
+        assert!(parse(&["lookup", "--subject", "id:a", "--method", "POST", "--route", "r"]).is_err());
+        assert!(parse(&["lookup", "--method", "POST"]).is_err());
+        assert!(parse(&["lookup"]).is_err());
+        assert!(parse(&["count", "--redis", "redis://a", "--url", "http://b"]).is_err());
+        assert!(parse(&["count", "--redis-cluster", "redis://a", "--url", "http://b"]).is_err());
+        let Records::Count(c) = parse(&["count", "--redis-cluster", "redis://a:1,redis://b:2"]).unwrap()
+        else {
+            panic!()
+        };
+        assert!(matches!(Where::of(&c.target, &no_env), Ok(Where::Cluster(urls)) if urls.len() == 2));
+    }
+
+    #[test]
+    fn the_environment_is_the_fallback() {
+        let Records::Count(c) = parse(&["count"]).unwrap() else { panic!() };
+        let env = |redis: bool, cluster: bool| {
+            move |name: &str| match name {
+                "IDEMSTORE_REDIS" if redis => Some("redis://env".to_owned()),
+                "IDEMSTORE_REDIS_CLUSTER" if cluster => Some("redis://a,redis://b".to_owned()),
+                _ => None,
+            }
+        };
+        assert!(matches!(Where::of(&c.target, &env(true, false)), Ok(Where::Redis(u)) if u == "redis://env"));
+        assert!(matches!(Where::of(&c.target, &env(false, true)), Ok(Where::Cluster(u)) if u.len() == 2));
+        assert!(Where::of(&c.target, &env(true, true)).unwrap_err().contains("both"));
+        assert!(Where::of(&c.target, &env(false, false)).unwrap_err().contains("--redis URL"));
+        // A flag wins over the environment.
+        let Records::Count(c) = parse(&["count", "--url", "http://x:1"]).unwrap() else { panic!() };
+        assert!(matches!(Where::of(&c.target, &env(true, true)), Ok(Where::Idemstore(_))));
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(duration(3_723_000), "1h02m03s");
+        assert_eq!(duration(123_000), "2m03s");
+        assert_eq!(duration(3_250), "3.2s");
+        assert_eq!(expiry(None), "no expiry");
+    }
+
+    #[test]
+    fn urls() {
+        let s = HttpStore::new("http://idemstore:8380/", None, Duration::from_secs(1)).unwrap();
+        assert_eq!((s.authority.as_str(), s.base.as_str()), ("idemstore:8380", ""));
+        let s = HttpStore::new("http://10.0.0.1/store", None, Duration::from_secs(1)).unwrap();
+        assert_eq!((s.authority.as_str(), s.base.as_str()), ("10.0.0.1:80", "/store"));
+        assert!(HttpStore::new("https://idemstore:8380", None, Duration::from_secs(1)).is_err());
+        assert!(HttpStore::new("idemstore:8380", None, Duration::from_secs(1)).is_err());
+    }
+}
