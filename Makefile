@@ -7,7 +7,10 @@
 #                 make e2e E2E_TESTS=tests/test_replay.py::test_first_executes_then_five_retries_replay
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
 #   make demo     the local stack plus a scripted story against it; exits 0 if every step behaved
-#   make image    OCI images of the filter (/plugin.wasm) and idemstore (needs a Docker engine)
+#   make image    OCI images of the filter (/plugin.wasm) and idemstore (static, non-root), built
+#                 without a container engine: layouts and docker archives in target/images/
+#   make image-test  make image, then tests/test_images.py against what it wrote (make test runs
+#                 both: image before e2e)
 #   make bench    throughput (wrk) and latency against a no-filter Envoy in the same run, profiles;
 #                 medians and ratios to bench/RESULTS.md (about 15 minutes)
 #   make bench-quick  one short round of every throughput scenario (< 60 s); last line: the ratios
@@ -23,6 +26,8 @@
 #  - redis-server: $(REDIS_SERVER) (default: redis-server on the PATH), else the Debian package
 #    redis-server (`make redis`); wrk, for make bench and bench-quick only: the Debian package wrk;
 #  - rustup's wasm32-wasip1 target, clippy and rustfmt (rustup target/component add);
+#  - for make image (and so make test): umoci and skopeo (Debian packages of those names) and
+#    rustup's <arch>-unknown-linux-musl target;
 #  - cargo-fuzz, for make fuzz and fuzz-quick (cargo install --locked cargo-fuzz); fuzz/run.sh uses
 #    nightly with AddressSanitizer when rustup has it, else stable.
 
@@ -62,9 +67,10 @@ PYTEST_ARGS ?= -q
 FUZZ_SECONDS ?= 600
 FUZZ_QUICK_SECONDS ?= 15
 
-.PHONY: all build build-wasm build-idemstore envoy venv redis wrk wasm-target clippy-component \
+.PHONY: all build build-wasm build-idemstore envoy venv redis wrk promtool wasm-target clippy-component \
         rustfmt-component cargo-fuzz test fmt unit clippy clippy-native clippy-wasm e2e bench \
-        bench-quick fuzz fuzz-quick run demo image clean distclean help
+        bench-quick fuzz fuzz-quick run demo image image-test image-tools musl-target \
+        build-idemstore-static clean distclean help
 
 all: build
 
@@ -162,11 +168,27 @@ redis:
 wrk:
 	@command -v wrk >/dev/null 2>&1 || { $(call apt_install,wrk); }
 
+# make image: umoci writes the OCI layouts, skopeo the docker archives.
+image-tools:
+	@command -v umoci >/dev/null 2>&1 || { $(call apt_install,umoci); }
+	@command -v skopeo >/dev/null 2>&1 || { $(call apt_install,skopeo); }
+
+# promtool (Debian's prometheus package, which also has the server): tests/test_dashboards.py
+# checks the alert rules with it and runs a real Prometheus against the test's stack.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { $(call apt_install,prometheus); }
+
 # rustup parts: only when rustup manages the toolchain (otherwise cargo says what is missing).
 wasm-target:
 	@if command -v rustup >/dev/null 2>&1 \
 	   && ! rustup target list --installed | grep -qx '$(WASM_TARGET)'; then \
 	  echo "rustup target add $(WASM_TARGET)"; rustup target add $(WASM_TARGET); \
+	fi
+
+musl-target:
+	@if command -v rustup >/dev/null 2>&1 \
+	   && ! rustup target list --installed | grep -qx '$(MUSL_TARGET)'; then \
+	  echo "rustup target add $(MUSL_TARGET)"; rustup target add $(MUSL_TARGET); \
 	fi
 
 clippy-component:
@@ -186,12 +208,13 @@ cargo-fuzz:
 
 ## ---- tests ---------------------------------------------------------------------------------
 
-# Runs every suite even when an earlier one fails, then fails if any did.
+# Runs every suite even when an earlier one fails, then fails if any did. `image` builds the
+# images that e2e's tests/test_images.py checks (IMAGE_TEST=1: without them it fails, not skips).
 test:
 	@failed=(); \
-	for t in fmt unit clippy e2e; do \
+	for t in fmt unit clippy image e2e; do \
 	  echo "==> make $$t"; \
-	  if ! $(MAKE) --no-print-directory $$t; then failed+=("$$t"); fi; \
+	  if ! IMAGE_TEST=1 $(MAKE) --no-print-directory $$t; then failed+=("$$t"); fi; \
 	done; \
 	if [ $${#failed[@]} -ne 0 ]; then echo "make test: FAILED: $${failed[*]}" >&2; exit 1; fi; \
 	echo "make test: all suites passed"
@@ -214,9 +237,9 @@ clippy-native: clippy-component
 clippy-wasm: clippy-component wasm-target
 	$(CARGO) clippy -p idempotency-filter --target $(WASM_TARGET) --all-targets -- -D warnings
 
-e2e: build envoy venv redis
+e2e: build envoy venv redis promtool
 	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
-	  REDIS_SERVER="$$($(REDIS_FIND))" \
+	  REDIS_SERVER="$$($(REDIS_FIND))" $(IMAGE_TEST_ENV) \
 	  timeout --kill-after=10 900 "$(TEST_PYTHON)" -m pytest $(E2E_TESTS) $(PYTEST_ARGS)
 
 ## ---- benchmarks ------------------------------------------------------------------------
@@ -269,32 +292,97 @@ demo: build envoy
 
 ## ---- images --------------------------------------------------------------------------------
 
-IMAGE_REGISTRY ?= REGISTRY
+# `make image [IMAGE_REGISTRY=... IMAGE_TAG=...]` builds both images with umoci, no container
+# engine involved, into target/images/:
+#   idempotency-filter/  OCI layout, tag $(IMAGE_TAG): one layer holding /plugin.wasm, no
+#                        entrypoint (the compat layout Istio's WasmPlugin and Envoy Gateway pull)
+#   idemstore/           OCI layout: one layer holding the static (musl) idemstore at
+#                        /usr/local/bin/idemstore and nothing else; user 65532:65532,
+#                        IDEMSTORE_LISTEN=0.0.0.0:8380, port 8380
+#   <name>.tar           each as a docker-archive named $(IMAGE_REGISTRY)/<name>:$(IMAGE_TAG)
+#                        (skopeo), which `docker load -i` and `skopeo copy docker-archive:` take
+# then prints the push commands. The layer entries and the dates in the configs are
+# SOURCE_DATE_EPOCH (default: the last commit's date): the same inputs give the same digests.
+# The default registry is `localhost` (Podman's prefix for local images): the names must be
+# valid references, and skopeo refuses an upper-case placeholder such as REGISTRY.
+IMAGE_REGISTRY ?= localhost
 IMAGE_TAG ?= 0.1.0
 WASM_IMAGE := $(IMAGE_REGISTRY)/idempotency-filter:$(IMAGE_TAG)
 IDEMSTORE_IMAGE := $(IMAGE_REGISTRY)/idemstore:$(IMAGE_TAG)
+IMAGES_DIR := target/images
+HOST_ARCH := $(shell uname -m)
+MUSL_TARGET := $(HOST_ARCH)-unknown-linux-musl
+IDEMSTORE_STATIC := $(CURDIR)/target/$(MUSL_TARGET)/release/idemstore
+IMAGE_ARCH := $(patsubst x86_64,amd64,$(patsubst aarch64,arm64,$(HOST_ARCH)))
+IMAGE_EPOCH := $(or $(SOURCE_DATE_EPOCH),$(shell git log -1 --format=%ct 2>/dev/null),0)
+# What tests/test_images.py reads (make e2e and make image-test pass it).
+IMAGE_TEST_ENV := IMAGES_DIR="$(CURDIR)/$(IMAGES_DIR)" IMAGE_TAG="$(IMAGE_TAG)" \
+  IMAGE_FILTER_REF="$(WASM_IMAGE)" IMAGE_IDEMSTORE_REF="$(IDEMSTORE_IMAGE)" \
+  IMAGE_IDEMSTORE_BIN="$(IDEMSTORE_STATIC)"
 
-# `make image [IMAGE_REGISTRY=... IMAGE_TAG=...]`: the filter as an OCI image (/plugin.wasm in
-# one layer, what Istio's WasmPlugin pulls) and idemstore's image. Needs a Docker engine with
-# BuildKit (buildx); without one it builds nothing, says why, prints the oras alternative for
-# the filter and fails.
-image: build-wasm
-	@if ! docker info >/dev/null 2>&1; then \
-	  echo "image: no Docker engine answers (\`docker info\` failed): no image built." >&2; \
-	  echo "image: the filter can be pushed without one, with oras, in the two-layer layout Istio's fetcher reads:" >&2; \
-	  printf '  %s\n' \
-	    'cd "$$(mktemp -d)"' \
-	    'cp $(WASM) plugin.wasm' \
-	    "printf '%s' '{\"type\":\"envoy_proxy\",\"abi_version\":\"v0.2.1\",\"config\":{\"root_ids\":[\"idempotency\"]}}' > runtime-config.json" \
-	    'oras push $(WASM_IMAGE) \' \
-	    '  runtime-config.json:application/vnd.module.wasm.config.v1+json \' \
-	    '  plugin.wasm:application/vnd.module.wasm.content.layer.v1+wasm' >&2; \
-	  exit 1; \
-	fi
-	@docker buildx version >/dev/null 2>&1 || { echo "image: docker buildx (BuildKit) is required: the Dockerfiles use <Dockerfile>.dockerignore and cache mounts" >&2; exit 1; }
-	docker buildx build --provenance=false --load -f envoy/Dockerfile.wasm -t $(WASM_IMAGE) .
-	docker buildx build --load -f idemstore/Dockerfile -t $(IDEMSTORE_IMAGE) .
-	@echo "image: built $(WASM_IMAGE) and $(IDEMSTORE_IMAGE); push them with docker push"
+FILTER_IMAGE_CONFIG := \
+  --config.label org.opencontainers.image.title=idempotency-filter \
+  --config.label "org.opencontainers.image.description=Idempotency-Key filter for Envoy (proxy-wasm; root_id idempotency)" \
+  --config.label org.opencontainers.image.licenses=Apache-2.0
+IDEMSTORE_IMAGE_CONFIG := \
+  --config.user 65532:65532 \
+  --config.entrypoint /usr/local/bin/idemstore \
+  --config.env IDEMSTORE_LISTEN=0.0.0.0:8380 \
+  --config.exposedports 8380/tcp \
+  --config.label org.opencontainers.image.title=idemstore \
+  --config.label "org.opencontainers.image.description=Store-and-lock service of the Idempotency-Key filter" \
+  --config.label org.opencontainers.image.licenses=Apache-2.0
+
+# $(call oci_image,NAME,REFERENCE,ROOTFS,ENTRIES,CONFIG): the OCI layout $(IMAGES_DIR)/NAME, tag
+# $(IMAGE_TAG), of one layer holding ENTRIES (paths in the staged directory ROOTFS, root's,
+# dated IMAGE_EPOCH, in name order) and the umoci config flags CONFIG, then NAME.tar, a
+# docker-archive named REFERENCE. GNU tar writes the layer and `umoci raw add-layer` adds it:
+# `umoci insert` of umoci 0.4.7 (Debian 12's) leaves out the tar's end-of-archive blocks
+# (umoci#436), which GNU tar and Python refuse. Built aside and moved into place at the end.
+define oci_image
+tmp="$(IMAGES_DIR)/.$(1).tmp"; img="$$tmp/oci:$(IMAGE_TAG)"; \
+created="$$(date -u -d @$(IMAGE_EPOCH) +%Y-%m-%dT%H:%M:%SZ)"; \
+rm -rf "$$tmp"; mkdir -p "$$tmp"; \
+tar --create --file "$$tmp/layer.tar" --format=ustar --sort=name --numeric-owner --owner=0 \
+  --group=0 --mtime=@$(IMAGE_EPOCH) -C "$(3)" $(4); \
+umoci init --layout "$$tmp/oci"; \
+umoci new --image "$$img"; \
+umoci raw add-layer --image "$$img" --history.created "$$created" \
+  --history.created_by "make image: $(1)" "$$tmp/layer.tar"; \
+umoci config --image "$$img" --no-history --created "$$created" --os linux \
+  --architecture $(IMAGE_ARCH) $(5); \
+umoci gc --layout "$$tmp/oci"; \
+skopeo copy --quiet "oci:$$img" "docker-archive:$$tmp/image.tar:$(2)"; \
+rm -rf "$(IMAGES_DIR)/$(1)" "$(IMAGES_DIR)/$(1).tar"; \
+mv "$$tmp/oci" "$(IMAGES_DIR)/$(1)"; mv "$$tmp/image.tar" "$(IMAGES_DIR)/$(1).tar"; \
+rm -rf "$$tmp" "$(3)"; \
+echo "image: $(2), manifest $$(grep -o 'sha256:[0-9a-f]*' "$(IMAGES_DIR)/$(1)/index.json")"; \
+echo "  $(IMAGES_DIR)/$(1)  OCI layout, tag $(IMAGE_TAG), $$(( $$(du -sb "$(IMAGES_DIR)/$(1)" | cut -f1) / 1024 )) KiB"; \
+echo "  $(IMAGES_DIR)/$(1).tar  docker-archive, $$(( $$(stat -c %s "$(IMAGES_DIR)/$(1).tar") / 1024 )) KiB"
+endef
+
+# idemstore for its image, a static executable: Rust's musl targets link the musl libc rustup
+# ships, statically (no C compiler or musl-tools: idemstore's dependencies have no C code).
+build-idemstore-static: musl-target
+	$(CARGO) build --release --target $(MUSL_TARGET) -p idemstore
+
+image: build-wasm build-idemstore-static image-tools
+	@stage="$(IMAGES_DIR)/.idempotency-filter.rootfs"; rm -rf "$$stage"; \
+	install -D -m 0644 "$(WASM)" "$$stage/plugin.wasm"; \
+	$(call oci_image,idempotency-filter,$(WASM_IMAGE),$$stage,plugin.wasm,$(FILTER_IMAGE_CONFIG))
+	@stage="$(IMAGES_DIR)/.idemstore.rootfs"; rm -rf "$$stage"; \
+	install -d -m 0755 "$$stage/usr" "$$stage/usr/local" "$$stage/usr/local/bin"; \
+	install -m 0755 "$(IDEMSTORE_STATIC)" "$$stage/usr/local/bin/idemstore"; \
+	$(call oci_image,idemstore,$(IDEMSTORE_IMAGE),$$stage,usr,$(IDEMSTORE_IMAGE_CONFIG))
+	@echo "image: push with (\`skopeo login <registry>\` first; \`make image IMAGE_REGISTRY=<registry>\` names the images for it):"
+	@echo "  skopeo copy oci:$(IMAGES_DIR)/idempotency-filter:$(IMAGE_TAG) docker://$(WASM_IMAGE)"
+	@echo "  skopeo copy oci:$(IMAGES_DIR)/idemstore:$(IMAGE_TAG) docker://$(IDEMSTORE_IMAGE)"
+	@echo "image: into a local Docker engine: docker load -i $(IMAGES_DIR)/<name>.tar (the compose demo runs localhost/idemstore:0.1.0, the default name)"
+
+# The images, then tests/test_images.py against them (make test runs the same test in e2e).
+image-test: image venv
+	$(IMAGE_TEST_ENV) IMAGE_TEST=1 FILTER_WASM="$(WASM)" \
+	  timeout --kill-after=10 300 "$(TEST_PYTHON)" -m pytest tests/test_images.py $(PYTEST_ARGS)
 
 clean:
 	$(CARGO) clean
