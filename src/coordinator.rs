@@ -223,6 +223,9 @@ pub struct Coordinator {
     /// together: the store sees one call for many commits under load, and none waits when idle.
     commit_flights: usize,
     held: Vec<Job>,
+    /// Off once the store answered a batch `404`/`405`: an idemstore older than `commits` (a
+    /// rolling upgrade) gets every commit alone, as before, instead of a failed batch each time.
+    batching: bool,
     /// Records recently replayed by this VM, to answer their retries without a store call.
     recent: Recent,
     /// Skips `begin`s while the store fails.
@@ -254,6 +257,7 @@ impl Coordinator {
             callouts: HashMap::new(),
             commit_flights: 0,
             held: Vec::new(),
+            batching: true,
             recent,
             breaker,
             fallback,
@@ -570,7 +574,7 @@ impl Coordinator {
         }
         let sent_us = env.now_us();
         for job in jobs {
-            if job.batchable() && self.commit_flights > 0 {
+            if self.batching && job.batchable() && self.commit_flights > 0 {
                 self.held.push(job);
             } else {
                 self.dispatch(job, sent_us);
@@ -635,8 +639,20 @@ impl Coordinator {
         answer: Result<Vec<Result<CommitOutcome, CalloutFault>>, CalloutFault>,
         env: &dyn Env,
     ) {
-        self.observe(true, answer.as_ref().err().copied(), env);
         let Call::Batch(items) = job.call else { return };
+        if let Err(CalloutFault::Status(status @ (404 | 405))) = answer {
+            log::warn!(
+                "the store answered {status} to {}: an idemstore without it (older than this \
+                 filter); commits go one by one from now on",
+                idem_protocol::PATH_COMMITS
+            );
+            self.batching = false;
+            for item in items {
+                self.submit(item, env);
+            }
+            return;
+        }
+        self.observe(true, answer.as_ref().err().copied(), env);
         match answer {
             Ok(outcomes) => {
                 for (item, outcome) in items.into_iter().zip(outcomes) {

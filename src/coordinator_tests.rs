@@ -219,6 +219,38 @@ fn a_batch_that_fails_as_a_whole_fails_each_commit_once_and_the_breaker_hears_it
 }
 
 #[test]
+fn an_idemstore_without_commits_gets_each_commit_alone_from_then_on() {
+    let clock = SimEnv::at(T0);
+    let mut c = coordinator("");
+    let mut token = 0;
+    run_to_commit(&mut c, &[2], &clock, &mut token);
+    let first = dispatch_all(&mut c, &clock, &mut token);
+    run_to_commit(&mut c, &[3, 4], &clock, &mut token);
+    dispatch_all(&mut c, &clock, &mut token);
+    c.on_callout_answer(first[0].0, answer("stored", &[]), vec![], &clock);
+    let batch = dispatches(&drain(&mut c));
+    assert_eq!(path(&batch[0]), proto::PATH_COMMITS);
+    token += 1;
+    c.on_dispatched(batch[0].job, Some(token), &clock);
+    // An older idemstore: no such route.
+    c.on_callout_answer(token, vec![(":status".into(), b"404".to_vec())], vec![], &clock);
+    let commands = drain(&mut c);
+    assert!(!commands.iter().any(|c| matches!(c, Command::Count(_))), "not a failure: {commands:?}");
+    let alone = dispatches(&commands);
+    let sent: Vec<(&str, &str)> = alone.iter().map(|d| (path(d), header(d, proto::HEADER_TOKEN))).collect();
+    assert_eq!(sent, [(proto::PATH_COMMIT, "tok3"), (proto::PATH_COMMIT, "tok4")], "first tries, at once");
+    for d in &alone {
+        token += 1;
+        c.on_dispatched(d.job, Some(token), &clock);
+    }
+    // With those in flight, the next commit is not held for a batch.
+    run_to_commit(&mut c, &[5], &clock, &mut token);
+    let next = dispatch_all(&mut c, &clock, &mut token);
+    assert_eq!(next.len(), 1);
+    assert_eq!((path(&next[0].1), header(&next[0].1, proto::HEADER_TOKEN)), (proto::PATH_COMMIT, "tok5"));
+}
+
+#[test]
 fn a_lock_granted_to_a_stream_that_ended_is_released_and_nothing_answers_it() {
     let clock = SimEnv::at(T0);
     let mut c = coordinator("");
