@@ -194,20 +194,26 @@ fn commits_made_while_one_is_in_flight_go_together_and_each_is_answered() {
     assert_eq!(c.pending(), (0, 0));
 }
 
+/// Stream 2's commit goes alone; streams 3 and 4 commit while it is in flight and, once it is
+/// stored, go together as one `commits` callout, dispatched with the token `*token`.
+fn batch_in_flight(c: &mut Coordinator, clock: &SimEnv, token: &mut u32) {
+    run_to_commit(c, &[2], clock, token);
+    let first = dispatch_all(c, clock, token);
+    run_to_commit(c, &[3, 4], clock, token);
+    dispatch_all(c, clock, token);
+    c.on_callout_answer(first[0].0, answer("stored", &[]), vec![], clock);
+    let batch = dispatches(&drain(c));
+    assert_eq!(path(&batch[0]), proto::PATH_COMMITS);
+    *token += 1;
+    c.on_dispatched(batch[0].job, Some(*token), clock);
+}
+
 #[test]
 fn a_batch_that_fails_as_a_whole_fails_each_commit_once_and_the_breaker_hears_it_once() {
     let clock = SimEnv::at(T0);
     let mut c = coordinator(r#","breaker_failures":2"#);
     let mut token = 0;
-    run_to_commit(&mut c, &[2], &clock, &mut token);
-    let first = dispatch_all(&mut c, &clock, &mut token);
-    run_to_commit(&mut c, &[3, 4], &clock, &mut token);
-    dispatch_all(&mut c, &clock, &mut token);
-    c.on_callout_answer(first[0].0, answer("stored", &[]), vec![], &clock);
-    let batch = dispatches(&drain(&mut c));
-    assert_eq!(path(&batch[0]), proto::PATH_COMMITS);
-    token += 1;
-    c.on_dispatched(batch[0].job, Some(token), &clock);
+    batch_in_flight(&mut c, &clock, &mut token);
     c.on_callout_answer(token, vec![(":status".into(), b"504".to_vec())], vec![], &clock);
     let commands = drain(&mut c);
     // Both retried alone, each with its own token; one timeout does not open a breaker of two.
@@ -223,15 +229,7 @@ fn an_idemstore_without_commits_gets_each_commit_alone_from_then_on() {
     let clock = SimEnv::at(T0);
     let mut c = coordinator("");
     let mut token = 0;
-    run_to_commit(&mut c, &[2], &clock, &mut token);
-    let first = dispatch_all(&mut c, &clock, &mut token);
-    run_to_commit(&mut c, &[3, 4], &clock, &mut token);
-    dispatch_all(&mut c, &clock, &mut token);
-    c.on_callout_answer(first[0].0, answer("stored", &[]), vec![], &clock);
-    let batch = dispatches(&drain(&mut c));
-    assert_eq!(path(&batch[0]), proto::PATH_COMMITS);
-    token += 1;
-    c.on_dispatched(batch[0].job, Some(token), &clock);
+    batch_in_flight(&mut c, &clock, &mut token);
     // An older idemstore: no such route.
     c.on_callout_answer(token, vec![(":status".into(), b"404".to_vec())], vec![], &clock);
     let commands = drain(&mut c);
