@@ -1,31 +1,28 @@
 //! Idempotency-Key filter for Envoy (and, in inbox mode, exactly-once for pushed messages).
 //!
-//! The pure core (everything but `host`) has no proxy-wasm dependency and is unit-tested
-//! natively: [`machine`] decides for one request, [`coordinator`] for the requests of one VM;
-//! `host` (wasm32 only) turns Envoy's callbacks into their events and carries out the commands
-//! they return. [`sim`] and [`coordinator_sim`] are test support: simulated hosts that drive the
-//! machine and the coordinator and check their invariants (unit tests and `fuzz/`).
+//! Folders by layer, each using only the layers above it in this list:
+//!
+//! * [`http`]: facts of HTTP itself (header names and values, media types, codings).
+//! * [`config`]: the plugin configuration, parsed and validated once at load.
+//! * [`store`]: the store client (the calls to idemstore and their answers) and the record codec.
+//! * [`request`]: the per-request state machine and the rules it decides by (keys, fingerprint,
+//!   what is kept, replays, problems, inbox ids, detached execution) and what it counts.
+//! * [`worker`]: the per-worker coordinator: the streams of one VM, the callouts they start, and
+//!   who answers a store call (record cache, breaker, local fallback, the network).
+//! * `host` (wasm32 only): the proxy-wasm glue, the only code that talks to Envoy.
+//!
+//! Everything but `host` is pure and unit-tested natively. `sim` (tests and the `sim` feature
+//! `fuzz/` turns on, never in the filter) holds the simulated hosts that drive the machine and
+//! the coordinator through random event sequences and check their invariants.
 
-pub mod breaker;
 pub mod config;
-pub mod coordinator;
-pub mod coordinator_sim;
-pub mod detached;
-pub mod fallback;
-pub mod fingerprint;
-pub mod headers;
-pub mod inbox;
-pub mod keep;
-pub mod key;
-pub mod local;
-pub mod machine;
-pub mod metrics;
-pub mod problem;
-pub mod recent;
-pub mod record;
-pub mod replay;
-pub mod sim;
+pub mod http;
+pub mod request;
 pub mod store;
+pub mod worker;
 
 #[cfg(target_arch = "wasm32")]
 mod host;
+
+#[cfg(any(test, feature = "sim"))]
+pub mod sim;

@@ -15,9 +15,9 @@
 #![no_main]
 
 use idempotency_filter::config::{self, Config, Inbox, JsonPrint, MessageIdSource, Mode, Subject, TooLarge};
-use idempotency_filter::fingerprint::{json_body_hash, Digest32};
-use idempotency_filter::headers;
-use idempotency_filter::keep::{MediaPattern, StatusSet};
+use idempotency_filter::request::fingerprint::{json_body_hash, Digest32};
+use idempotency_filter::http::headers;
+use idempotency_filter::request::keep::{MediaPattern, StatusSet};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 use sha2::{Digest, Sha256};

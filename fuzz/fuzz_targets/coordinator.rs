@@ -1,4 +1,4 @@
-//! The per-VM coordinator in a simulated worker (`idempotency_filter::coordinator_sim`): many
+//! The per-VM coordinator in a simulated worker (`idempotency_filter::sim::worker`): many
 //! streams, a store with expiring records and locks, faults, wake-ups and clock jumps, every
 //! choice read from the input. The world checks after every event that each granted lock ends
 //! once, answers reach the stream they are for, nothing is served from the record cache past its
@@ -7,7 +7,7 @@
 
 #![no_main]
 
-use idempotency_filter::coordinator_sim::{Rng, World};
+use idempotency_filter::sim::worker::{Rng, World};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

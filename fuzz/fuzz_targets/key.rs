@@ -15,8 +15,8 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use idempotency_filter::headers;
-use idempotency_filter::key::{self, KeyError};
+use idempotency_filter::http::headers;
+use idempotency_filter::request::key::{self, KeyError};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]

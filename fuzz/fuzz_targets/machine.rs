@@ -1,5 +1,5 @@
 //! The per-request state machine fed random configurations, requests and event sequences through
-//! the shared driver (`idempotency_filter::sim`), which checks after every event: at most one
+//! the shared driver (`idempotency_filter::sim::request`), which checks after every event: at most one
 //! local answer and one execution (never both a local answer and a resume, nothing after the
 //! stream ended), one well-formed `begin`, every granted lock committed or released exactly once,
 //! committed records that replay, answers to calls not pending ignored, and a settled stream once
@@ -20,10 +20,10 @@ use std::rc::Rc;
 use arbitrary::Arbitrary;
 use fuzz_common::{ArbRecord, Bytes, Digest, Name, Status};
 use idempotency_filter::config::Config;
-use idempotency_filter::detached::UpstreamAnswer;
-use idempotency_filter::fingerprint::RequestPrint;
-use idempotency_filter::sim::{Driver, Event, MockView};
-use idempotency_filter::store::{BeginAnswer, CalloutFault};
+use idempotency_filter::request::detached::UpstreamAnswer;
+use idempotency_filter::request::fingerprint::RequestPrint;
+use idempotency_filter::sim::request::{Driver, Event, MockView};
+use idempotency_filter::store::client::{BeginAnswer, CalloutFault};
 use libfuzzer_sys::fuzz_target;
 
 const MAX_EVENTS: usize = 48;
@@ -351,7 +351,7 @@ impl Ctx {
         Ctx { max_record: cfg.max_record_bytes, print }
     }
 
-    fn record(&self, arb: &ArbRecord, print_of: &PrintOf) -> idempotency_filter::record::Record {
+    fn record(&self, arb: &ArbRecord, print_of: &PrintOf) -> idempotency_filter::store::record::Record {
         let mut r = arb.to_record();
         r.print = match print_of {
             PrintOf::This => Some(self.print.clone()),

@@ -14,8 +14,8 @@
 use arbitrary::{Arbitrary, Unstructured};
 use fuzz_common::ArbRecord;
 use idempotency_filter::config::MAX_FINGERPRINT_HEADERS;
-use idempotency_filter::headers;
-use idempotency_filter::record::{self, Record};
+use idempotency_filter::http::headers;
+use idempotency_filter::store::record::{self, Record};
 use libfuzzer_sys::fuzz_target;
 
 /// What `decode` must accept, written from the format's description (`v1`: the first format,

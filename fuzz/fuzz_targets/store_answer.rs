@@ -19,8 +19,8 @@ use arbitrary::Arbitrary;
 use fuzz_common::{ArbRecord, Bytes, Name};
 use idem_protocol as proto;
 use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
-use idempotency_filter::record::Record;
-use idempotency_filter::store::{Answer, BeginAnswer, CalloutFault};
+use idempotency_filter::store::record::Record;
+use idempotency_filter::store::client::{Answer, BeginAnswer, CalloutFault};
 use libfuzzer_sys::fuzz_target;
 
 const WIRE_NAMES: [&str; 9] =

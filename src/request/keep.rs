@@ -14,7 +14,7 @@
 use std::fmt;
 
 use crate::config::{Config, TooLarge};
-use crate::headers::MediaType;
+use crate::http::headers::MediaType;
 
 /// What becomes of an answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,9 +39,9 @@ pub struct Head {
     pub length: Option<u64>,
     /// An `upgrade` header, or `101`.
     pub upgrade: bool,
-    /// The recorded headers fit a record (see [`crate::record::headers_fit`]).
+    /// The recorded headers fit a record (see [`crate::store::record::headers_fit`]).
     pub headers_fit: bool,
-    /// Each header that says how to read the body ([`crate::headers::REPRESENTATION`]) is there
+    /// Each header that says how to read the body ([`crate::http::headers::REPRESENTATION`]) is there
     /// at most once, with a value a record can keep: else a replay could not say it the same way.
     pub readable: bool,
 }
@@ -49,9 +49,9 @@ pub struct Head {
 impl Head {
     /// [`Head::readable`] for a response whose header values `values_of` gives.
     pub fn readable_with(values_of: impl Fn(&str) -> Vec<Vec<u8>>) -> bool {
-        crate::headers::REPRESENTATION.iter().all(|name| match values_of(name).as_slice() {
+        crate::http::headers::REPRESENTATION.iter().all(|name| match values_of(name).as_slice() {
             [] => true,
-            [one] => crate::headers::is_valid_value(one),
+            [one] => crate::http::headers::is_valid_value(one),
             _ => false,
         })
     }

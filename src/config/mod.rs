@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 use std::fmt;
 use std::ops::RangeInclusive;
 
-use crate::headers;
-use crate::keep::{MediaPattern, StatusSet};
+use crate::http::headers;
+use crate::request::keep::{MediaPattern, StatusSet};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FailureMode {
@@ -99,7 +99,7 @@ pub enum MissingId {
 pub const DUPLICATE_STATUS: RangeInclusive<u64> = 200..=299;
 
 /// `fingerprint_json`: the request body is compared as JSON (see
-/// [`crate::fingerprint::json_body_hash`]).
+/// [`crate::request::fingerprint::json_body_hash`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JsonPrint {
     /// Member order does not count (insignificant whitespace never does).

@@ -1,8 +1,8 @@
 use super::*;
-use crate::detached::{UpstreamAnswer, UpstreamCall};
-use crate::key::hex;
-use crate::sim::{Driver, Event, MockView, Tally};
-use crate::store::BeginAnswer;
+use crate::request::detached::{UpstreamAnswer, UpstreamCall};
+use crate::request::key::hex;
+use crate::sim::request::{Driver, Event, MockView, Tally};
+use crate::store::client::BeginAnswer;
 
 fn cfg(extra: &str) -> Rc<Config> {
     let json =
@@ -161,7 +161,7 @@ fn store_key_scope() {
     };
     let base = MockView::post(Some("k"));
     let k = key_for(&base, "");
-    assert_eq!(k, crate::key::store_key("anon:127.0.0.1", "POST", "/orders", "k"));
+    assert_eq!(k, crate::request::key::store_key("anon:127.0.0.1", "POST", "/orders", "k"));
     // A new connection (port) is the same caller; the query is not part of the route.
     let mut other_port = MockView::post(Some("k"));
     other_port.prop("source.address", "127.0.0.1:50000");
@@ -169,7 +169,7 @@ fn store_key_scope() {
     assert_eq!(key_for(&other_port, ""), k);
     let mut named = MockView::post(Some("k"));
     named.prop("xds.route_name", "orders");
-    assert_eq!(key_for(&named, ""), crate::key::store_key("anon:127.0.0.1", "POST", "orders", "k"));
+    assert_eq!(key_for(&named, ""), crate::request::key::store_key("anon:127.0.0.1", "POST", "orders", "k"));
     let mut other_ip = MockView::post(Some("k"));
     other_ip.prop("source.address", "127.0.0.2:40000");
     assert_ne!(key_for(&other_ip, ""), k);
@@ -179,7 +179,7 @@ fn store_key_scope() {
     let mut alice = MockView::post(Some("k"));
     alice.req("x-user", "alice");
     let header = r#","subject":{"header":"x-user"}"#;
-    assert_eq!(key_for(&alice, header), crate::key::store_key("id:alice", "POST", "/orders", "k"));
+    assert_eq!(key_for(&alice, header), crate::request::key::store_key("id:alice", "POST", "/orders", "k"));
     // Without the header the caller is anonymous.
     assert_eq!(key_for(&base, header), k);
 
@@ -187,7 +187,7 @@ fn store_key_scope() {
     jwt.prop("metadata.filter_metadata.envoy.filters.http.jwt_authn.payload.sub", "user-1");
     let meta =
         r#","subject":{"metadata":{"filter":"envoy.filters.http.jwt_authn","path":["payload","sub"]}}"#;
-    assert_eq!(key_for(&jwt, meta), crate::key::store_key("id:user-1", "POST", "/orders", "k"));
+    assert_eq!(key_for(&jwt, meta), crate::request::key::store_key("id:user-1", "POST", "/orders", "k"));
 }
 
 #[test]
@@ -357,7 +357,7 @@ fn headers_a_record_cannot_hold_release_the_lock() {
     let link = r#","replay_headers":["content-type","location","link"]"#;
     // With content-type and location: 64 headers fit, 65 do not.
     let too_many: Vec<String> = (0..63).map(|i| format!("</{i}>; rel=x")).collect();
-    let too_long = "/".repeat(crate::record::MAX_HEADER_VALUE + 1);
+    let too_long = "/".repeat(crate::store::record::MAX_HEADER_VALUE + 1);
     let cases: [(&[String], &str, bool); 4] = [
         (&too_many[..62], "/orders/1", true),
         (&too_many, "/orders/1", false),
@@ -693,7 +693,7 @@ fn envoy_answering_while_begin_is_pending_orphans_the_call() {
     assert_eq!(s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() })), release_of(&key));
 }
 
-/// Random event sequences through the shared driver ([`crate::sim`]), which checks after every
+/// Random event sequences through the shared driver ([`crate::sim::request`]), which checks after every
 /// event that the machine never answers twice, never resumes after answering, and that every lock
 /// it is handed ends in exactly one commit or release. `fuzz/` runs the same driver for longer.
 #[test]
@@ -733,7 +733,7 @@ fn random_event_sequences_keep_the_invariants() {
                         headers: vec![("content-encoding".into(), "gzip".into())],
                         body: b"x".to_vec(),
                         body_omitted: false,
-                        print: Some(crate::fingerprint::RequestPrint {
+                        print: Some(crate::request::fingerprint::RequestPrint {
                             target: [next(2) as u8; 32],
                             headers: vec![],
                         }),
@@ -955,7 +955,7 @@ fn subjects_that_are_not_utf8_stay_distinct() {
     let bytes = 1000.0f64.to_le_bytes();
     assert_eq!(
         key_for(1000.0),
-        crate::key::store_key(&format!("idx:{}", hex(&bytes)), "POST", "/orders", "k")
+        crate::request::key::store_key(&format!("idx:{}", hex(&bytes)), "POST", "/orders", "k")
     );
 }
 
@@ -971,7 +971,7 @@ fn methods_are_guarded_without_regard_to_case() {
     };
     // `post` shares its records with `POST`.
     assert_eq!(key_for("post"), key_for("POST"));
-    assert_eq!(key_for("Patch"), crate::key::store_key("anon:127.0.0.1", "PATCH", "/orders", "k"));
+    assert_eq!(key_for("Patch"), crate::request::key::store_key("anon:127.0.0.1", "PATCH", "/orders", "k"));
 }
 
 #[test]
@@ -1020,7 +1020,7 @@ fn structured_event(body: &[u8]) -> MockView {
 fn inbox_key_of(source: &[u8], id: &[u8]) -> String {
     let mut subject = b"inbox:".to_vec();
     subject.extend_from_slice(source);
-    crate::key::store_key_bytes(&subject, "POST", "/orders", id)
+    crate::request::key::store_key_bytes(&subject, "POST", "/orders", id)
 }
 
 /// An inbox stream (binary event `e1` from `/src`) that has taken the lock `t1`.

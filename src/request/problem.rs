@@ -4,9 +4,9 @@
 
 use serde::Serialize;
 
-use crate::fingerprint::Differs;
-use crate::inbox::IdError;
-use crate::key::KeyError;
+use crate::request::fingerprint::Differs;
+use crate::request::inbox::IdError;
+use crate::request::key::KeyError;
 
 /// A response the filter sends instead of the upstream's.
 #[derive(Debug, Clone, PartialEq, Eq)]

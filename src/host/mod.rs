@@ -14,10 +14,10 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use crate::config::Config;
-use crate::coordinator::{Clock, Command, Coordinator, Stepped};
-use crate::local::SharedData;
-use crate::machine::{Action, Step, Stream, StreamView};
-use crate::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY};
+use crate::worker::coordinator::{Clock, Command, Coordinator, Stepped};
+use crate::worker::local_store::SharedData;
+use crate::request::machine::{Action, Step, Stream, StreamView};
+use crate::request::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);

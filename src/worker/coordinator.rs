@@ -20,17 +20,17 @@ use std::rc::Rc;
 
 use idem_protocol::CommitOutcome;
 
-use crate::breaker::{Breaker, Gate};
+use crate::worker::breaker::{Breaker, Gate};
 use crate::config::Config;
-use crate::detached::{UpstreamAnswer, UpstreamCall};
-use crate::fallback::{self, Fallback, Outcome, HAND_BACK_TOKEN};
-use crate::local::SharedData;
-use crate::machine::{Action, Effect, Step, Stream, StreamView};
-use crate::metrics::Metric;
-use crate::problem::LocalResponse;
-use crate::recent::{Cached, Recent};
-use crate::record::Record;
-use crate::store::{self, Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
+use crate::request::detached::{UpstreamAnswer, UpstreamCall};
+use crate::worker::fallback::{self, Fallback, Outcome, HAND_BACK_TOKEN};
+use crate::worker::local_store::SharedData;
+use crate::request::machine::{Action, Effect, Step, Stream, StreamView};
+use crate::request::metrics::Metric;
+use crate::request::problem::LocalResponse;
+use crate::worker::record_cache::{Cached, Recent};
+use crate::store::record::Record;
+use crate::store::client::{self, Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
 
 /// The host's clock, read only when a decision needs it.
 pub trait Clock {
@@ -598,7 +598,7 @@ impl Coordinator {
                 _ => 0,
             };
             if !batch.is_empty()
-                && (batch.len() == idem_protocol::MAX_BATCH_ITEMS || bytes + size > store::MAX_BATCH_BYTES)
+                && (batch.len() == idem_protocol::MAX_BATCH_ITEMS || bytes + size > client::MAX_BATCH_BYTES)
             {
                 self.dispatch_batch(std::mem::take(&mut batch), sent_us);
                 bytes = 0;
@@ -675,7 +675,7 @@ impl Coordinator {
         job.sent_us = sent_us;
         let id = self.next_job;
         self.next_job += 1;
-        let store_callout = |c: store::Callout| Dispatch {
+        let store_callout = |c: client::Callout| Dispatch {
             job: id,
             cluster: self.cfg.store_cluster.clone(),
             headers: c.headers.into_iter().map(|(n, v)| (n.to_string(), v)).collect(),
@@ -692,7 +692,7 @@ impl Coordinator {
                         _ => None,
                     })
                     .collect();
-                store_callout(store::batch_callout(&self.cfg, &calls))
+                store_callout(client::batch_callout(&self.cfg, &calls))
             }
             // The body is not needed again: whatever the answer, it is not resent.
             Call::Upstream(c) => Dispatch {
@@ -1086,5 +1086,4 @@ fn request_id(raw: Option<&[u8]>) -> Rc<str> {
 }
 
 #[cfg(test)]
-#[path = "coordinator_tests.rs"]
 mod tests;

@@ -18,10 +18,10 @@
 use std::collections::HashMap;
 
 use crate::config::{Config, FailureMode};
-use crate::local::{Begin, HandBack, LocalStore, SharedData};
-use crate::metrics::Metric;
-use crate::record::Record;
-use crate::store::{BeginAnswer, CalloutFault};
+use crate::worker::local_store::{Begin, HandBack, LocalStore, SharedData};
+use crate::request::metrics::Metric;
+use crate::store::record::Record;
+use crate::store::client::{BeginAnswer, CalloutFault};
 
 const TOKEN_PREFIX: &str = "local-";
 /// The token a hand-back of a record made under a local lock carries (it ends no store lock).
@@ -413,7 +413,7 @@ impl Fallback {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::local::MemoryData;
+    use crate::sim::memory::MemoryData;
 
     fn fallback(extra: &str) -> (Fallback, MemoryData) {
         let json = format!(r#"{{"store_cluster":"s","local_record_entries":256,"lock_wait_ms":100{extra}}}"#);

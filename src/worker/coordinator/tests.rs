@@ -1,6 +1,6 @@
 use super::*;
-use crate::coordinator_sim::{Rng, SimEnv, Tally, World};
-use crate::sim::MockView;
+use crate::sim::worker::{Rng, SimEnv, Tally, World};
+use crate::sim::request::MockView;
 use idem_protocol as proto;
 
 const T0: u64 = 1_700_000_000_000_000;

@@ -2,8 +2,8 @@
 //! callout owned by the root context, so that the execution and its commit outlive a client
 //! that gives up (Envoy resets a routed upstream request when the client goes away).
 
-use crate::problem::LocalResponse;
-use crate::store::CalloutFault;
+use crate::request::problem::LocalResponse;
+use crate::store::client::CalloutFault;
 
 /// A request as the filter forwards it: pseudo-headers first, as Envoy's callout expects.
 #[derive(Debug, Clone, PartialEq, Eq)]

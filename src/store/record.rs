@@ -2,7 +2,7 @@
 //!
 //! The store keeps the record as opaque bytes, so the encoding is the filter's alone: a magic and
 //! version, the status, flags, the recorded headers with length prefixes, the request's print
-//! (see [`crate::fingerprint`]), then the body verbatim. Binary because the body is raw bytes
+//! (see [`crate::request::fingerprint`]), then the body verbatim. Binary because the body is raw bytes
 //! and must not be base64'd; strict on decode because the bytes come back over the network and
 //! a replay must never send something malformed.
 //!
@@ -17,8 +17,8 @@
 //! they expire. No other magic decodes.
 
 use crate::config::MAX_FINGERPRINT_HEADERS;
-use crate::fingerprint::RequestPrint;
-use crate::headers;
+use crate::request::fingerprint::RequestPrint;
+use crate::http::headers;
 
 const MAGIC: &[u8; 4] = b"IDR2";
 const MAGIC_V1: &[u8; 4] = b"IDR1";

@@ -2,7 +2,7 @@
 //! metrics as `wasmcustom.<name>` in `/stats` and with dots replaced by underscores in
 //! `/stats/prometheus`, summed across workers.
 
-use crate::store::CallKind;
+use crate::store::client::CallKind;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Metric {

@@ -20,10 +20,10 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::config::Config;
-use crate::detached::UpstreamAnswer;
-use crate::machine::{Effect, Stream, StreamView};
-use crate::record::Record;
-use crate::store::{BeginAnswer, CalloutFault, StoreCall};
+use crate::request::detached::UpstreamAnswer;
+use crate::request::machine::{Effect, Stream, StreamView};
+use crate::store::record::Record;
+use crate::store::client::{BeginAnswer, CalloutFault, StoreCall};
 
 /// A scripted host: headers, properties (`"source.address"`: the path joined with dots) and
 /// bodies the caller sets.

@@ -5,7 +5,7 @@ use idem_protocol as proto;
 use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
 
 use crate::config::Config;
-use crate::record::Record;
+use crate::store::record::Record;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreCall {

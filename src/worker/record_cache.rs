@@ -10,7 +10,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::record::Record;
+use crate::store::record::Record;
 
 /// What the cache knows about a key and request body.
 #[derive(Debug, Clone, PartialEq, Eq)]

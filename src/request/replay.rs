@@ -8,11 +8,11 @@
 //! `replay_header`.
 
 use crate::config::Config;
-use crate::fingerprint::RequestPrint;
-use crate::headers;
-use crate::metrics::Metric;
-use crate::problem::{self, LocalResponse};
-use crate::record::Record;
+use crate::request::fingerprint::RequestPrint;
+use crate::http::headers;
+use crate::request::metrics::Metric;
+use crate::request::problem::{self, LocalResponse};
+use crate::store::record::Record;
 
 /// The answer for a retry whose request has `print` and these `accept-encoding` values, and the
 /// counter it goes on.
@@ -56,7 +56,7 @@ pub fn answer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fingerprint::Differs;
+    use crate::request::fingerprint::Differs;
 
     fn cfg(extra: &str) -> Config {
         Config::from_json(format!(r#"{{"store_cluster":"s"{extra}}}"#).as_bytes()).unwrap()

@@ -31,17 +31,17 @@ use sha2::{Digest, Sha256};
 use std::rc::Rc;
 
 use crate::config::{Config, FailureMode, MissingId, Subject};
-use crate::detached::{self, UpstreamAnswer, UpstreamCall};
-use crate::fingerprint::{self, RequestPrint};
-use crate::headers;
-use crate::inbox::{self, AtHeaders, IdError, MessageId};
-use crate::keep::{self, Head, Keep};
-use crate::key;
-use crate::metrics::Metric;
-use crate::problem::{self, LocalResponse};
-use crate::record::{self, Record};
-use crate::replay;
-use crate::store::{BeginAnswer, CalloutFault, StoreCall};
+use crate::request::detached::{self, UpstreamAnswer, UpstreamCall};
+use crate::request::fingerprint::{self, RequestPrint};
+use crate::http::headers;
+use crate::request::inbox::{self, AtHeaders, IdError, MessageId};
+use crate::request::keep::{self, Head, Keep};
+use crate::request::key;
+use crate::request::metrics::Metric;
+use crate::request::problem::{self, LocalResponse};
+use crate::store::record::{self, Record};
+use crate::request::replay;
+use crate::store::client::{BeginAnswer, CalloutFault, StoreCall};
 
 /// What the machine may read from the host, lazily: a request that is not guarded costs one
 /// header lookup.
@@ -908,5 +908,4 @@ fn release(key: String, token: String) -> Vec<Effect> {
 }
 
 #[cfg(test)]
-#[path = "machine_tests.rs"]
 mod tests;

@@ -29,13 +29,14 @@ use idem_protocol as proto;
 use idem_protocol::CommitOutcome;
 
 use crate::config::Config;
-use crate::coordinator::{Clock, Command, Coordinator, Dispatch, Stepped};
-use crate::local::{MemoryData, SharedData};
-use crate::machine::Action;
-use crate::metrics::Metric;
-use crate::record::Record;
-use crate::sim::MockView;
-use crate::store::StoreCall;
+use crate::worker::coordinator::{Clock, Command, Coordinator, Dispatch, Stepped};
+use crate::sim::memory::MemoryData;
+use crate::worker::local_store::SharedData;
+use crate::request::machine::Action;
+use crate::request::metrics::Metric;
+use crate::store::record::Record;
+use crate::sim::request::MockView;
+use crate::store::client::StoreCall;
 
 /// Configurations a run picks from (each with `store_key_header`, through which the simulation
 /// learns every stream's store key).
@@ -454,7 +455,7 @@ impl World {
             return self.violation("local records never handed back".into());
         }
         let now_ms = self.clock.0.get() / 1000;
-        let local = crate::local::LocalStore::new(
+        let local = crate::worker::local_store::LocalStore::new(
             self.cfg.local_record_entries,
             self.cfg.local_record_bytes,
             self.cfg.lock_ttl_ms,
@@ -940,7 +941,7 @@ impl World {
         }
         self.executions += 1;
         self.tally.executions += 1;
-        let print = crate::fingerprint::RequestPrint::of(b"POST", b"/orders?x=1", &[], &|_| vec![]);
+        let print = crate::request::fingerprint::RequestPrint::of(b"POST", b"/orders?x=1", &[], &|_| vec![]);
         let record = Record {
             status: 201,
             headers: vec![("content-type".into(), "text/plain".into())],
@@ -949,7 +950,7 @@ impl World {
             print: Some(print),
         };
         let body_hash =
-            crate::key::hex(&sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(body)));
+            crate::request::key::hex(&sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(body)));
         let retention_us = self.cfg.retention_seconds * 1_000_000;
         self.store.insert(
             key,
@@ -991,7 +992,7 @@ impl World {
     }
 
     fn note_lock_end(&mut self, commit: bool, key: &str, token: &str, answered: bool) -> Result<(), String> {
-        if commit && token == crate::fallback::HAND_BACK_TOKEN {
+        if commit && token == crate::worker::fallback::HAND_BACK_TOKEN {
             // A local record handed back: it ends no lock of the store's.
             return Ok(());
         }

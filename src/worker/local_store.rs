@@ -18,7 +18,7 @@
 //! a marker of its body hash (a retry in an outage gets `503` instead of running again), and a
 //! record the store never took becomes a local record, handed back later with the store's token.
 
-use crate::key;
+use crate::request::key;
 
 /// At most this many stripes: each is read whole by an operation on one of its keys, and all of
 /// them by a hand-back scan.
@@ -560,42 +560,10 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Shared data in one process's memory, for tests and the simulation: versions as Envoy keeps
-/// them (every write a new version).
-#[derive(Debug, Default)]
-pub struct MemoryData {
-    map: std::cell::RefCell<std::collections::HashMap<String, (Vec<u8>, u32)>>,
-    version: std::cell::Cell<u32>,
-}
-
-impl SharedData for MemoryData {
-    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.map.borrow().get(key).cloned()
-    }
-
-    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
-        let mut map = self.map.borrow_mut();
-        if let Some((_, current)) = map.get(key) {
-            if cas != 0 && cas != *current {
-                return false;
-            }
-        }
-        self.version.set(self.version.get() + 1);
-        map.insert(key.to_string(), (value.to_vec(), self.version.get()));
-        true
-    }
-}
-
-impl MemoryData {
-    /// Bytes held in all values.
-    pub fn bytes(&self) -> usize {
-        self.map.borrow().values().map(|(v, _)| v.len()).sum()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::memory::MemoryData;
 
     fn k(n: u32) -> String {
         key::hex(&sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(n.to_le_bytes())))

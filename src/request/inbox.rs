@@ -17,7 +17,7 @@ use serde_json::Value;
 use std::fmt;
 
 use crate::config::MessageIdSource;
-use crate::headers::MediaType;
+use crate::http::headers::MediaType;
 
 pub const STRUCTURED: &str = "application/cloudevents+json";
 pub const BATCH: &str = "application/cloudevents-batch+json";

@@ -1,0 +1,15 @@
+//! One worker's VM: the requests it runs at once and what they share. The [`coordinator`] takes
+//! Envoy's events, keeps the live streams and their machines, and turns the machines' effects
+//! into commands for the host; [`callouts`] owns the calls in flight (outbox, wake-up, dispatch,
+//! commit batching); [`store_path`] decides who answers a store call: the [`record_cache`], the
+//! [`breaker`], the local fallback ([`fallback`] over the process-wide [`local_store`]) or the
+//! network. Pure, behind the small `Clock` and `SharedData` traits. May use `request`, `store`,
+//! `config` and `http`.
+
+pub mod breaker;
+pub mod callouts;
+pub mod coordinator;
+pub mod fallback;
+pub mod local_store;
+pub mod record_cache;
+pub mod store_path;
