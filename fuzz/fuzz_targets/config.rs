@@ -15,8 +15,8 @@
 #![no_main]
 
 use idempotency_filter::config::{self, Config, Inbox, JsonPrint, MessageIdSource, Mode, Subject, TooLarge};
-use idempotency_filter::request::fingerprint::{json_body_hash, Digest32};
 use idempotency_filter::http::headers;
+use idempotency_filter::request::fingerprint::{json_body_hash, Digest32};
 use idempotency_filter::request::keep::{MediaPattern, StatusSet};
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;

@@ -507,7 +507,7 @@ impl Ev {
             Ev::RequestTrailers => Event::RequestTrailers,
             Ev::Begin(b) => Event::BeginAnswer(match b {
                 Begin::Replay(r, print_of) => Ok(BeginAnswer::Replay(ctx.record(r, print_of))),
-                Begin::Locked => Ok(BeginAnswer::Locked { token: String::new() }),
+                Begin::Locked => Ok(BeginAnswer::Locked { token: "".into() }),
                 Begin::Busy(ms) => Ok(BeginAnswer::Busy { lock_ms: ms.ms() }),
                 Begin::Mismatch => Ok(BeginAnswer::Mismatch),
                 Begin::Fault(f) => Err(f.fault()),

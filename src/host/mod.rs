@@ -14,10 +14,11 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use crate::config::Config;
-use crate::worker::coordinator::{Clock, Command, Coordinator, Stepped};
-use crate::worker::local_store::SharedData;
-use crate::request::machine::{Action, Step, Stream, StreamView};
+use crate::request::machine::{Action, Machine, Step, StreamView};
 use crate::request::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY};
+use crate::worker::coordinator::{Command, Coordinator, Stepped};
+use crate::worker::env::Clock;
+use crate::worker::env::SharedData;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -270,7 +271,7 @@ struct HttpStream {
 }
 
 impl HttpStream {
-    fn run(&mut self, event: impl FnOnce(&mut Stream, &dyn StreamView) -> Step) -> HostAction {
+    fn run(&mut self, event: impl FnOnce(&mut Machine, &dyn StreamView) -> Step) -> HostAction {
         if self.passive {
             return HostAction::Continue;
         }

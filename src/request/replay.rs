@@ -8,8 +8,8 @@
 //! `replay_header`.
 
 use crate::config::Config;
-use crate::request::fingerprint::RequestPrint;
 use crate::http::headers;
+use crate::request::fingerprint::RequestPrint;
 use crate::request::metrics::Metric;
 use crate::request::problem::{self, LocalResponse};
 use crate::store::record::Record;

@@ -1,6 +1,6 @@
 //! Shared data in memory, as Envoy keeps it, for the unit tests and the simulations.
 
-use crate::worker::local_store::SharedData;
+use crate::worker::env::SharedData;
 
 /// Shared data in one process's memory, for tests and the simulation: versions as Envoy keeps
 /// them (every write a new version).

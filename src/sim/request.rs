@@ -1,5 +1,5 @@
 //! A simulated host for the state machine: a scripted [`StreamView`] and a [`Driver`] that feeds
-//! a [`Stream`] events and checks, after every step, the invariants any event sequence must keep.
+//! a [`Machine`] events and checks, after every step, the invariants any event sequence must keep.
 //! Shared by the machine's unit tests and the `machine` fuzz target (`fuzz/`); test support only,
 //! the filter itself never uses it. No proxy-wasm here.
 //!
@@ -14,16 +14,16 @@
 //! * a committed record decodes, has a status `store_statuses` keeps (any `2xx` in inbox mode),
 //!   fits `max_record_bytes`, and says which request it answers (outside inbox mode);
 //! * an answer to a call that is not pending changes nothing;
-//! * once the pending calls are answered, the stream is settled ([`Stream::is_settled`]).
+//! * once the pending calls are answered, the stream is settled ([`Machine::is_settled`]).
 
 use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::config::Config;
 use crate::request::detached::UpstreamAnswer;
-use crate::request::machine::{Effect, Stream, StreamView};
+use crate::request::machine::{Effect, Machine, StreamView};
+use crate::store::client::{BeginAnswer, CalloutFault, LockToken, StoreCall};
 use crate::store::record::Record;
-use crate::store::client::{BeginAnswer, CalloutFault, StoreCall};
 
 /// A scripted host: headers, properties (`"source.address"`: the path joined with dots) and
 /// bodies the caller sets.
@@ -134,9 +134,9 @@ struct Lock {
     ends: u32,
 }
 
-/// Feeds a [`Stream`] events and checks the invariants (see the module docs) after each.
+/// Feeds a [`Machine`] events and checks the invariants (see the module docs) after each.
 pub struct Driver {
-    pub stream: Stream,
+    pub stream: Machine,
     pub view: MockView,
     cfg: Rc<Config>,
     trace: Vec<Event>,
@@ -155,7 +155,7 @@ pub struct Driver {
 impl Driver {
     pub fn new(cfg: Rc<Config>, view: MockView) -> Driver {
         Driver {
-            stream: Stream::new(Rc::clone(&cfg)),
+            stream: Machine::new(Rc::clone(&cfg)),
             view,
             cfg,
             trace: Vec::new(),
@@ -188,7 +188,7 @@ impl Driver {
                     Ok(BeginAnswer::Locked { .. }) if self.begin_pending => {
                         let token = format!("t{}", self.locks.len() + 1);
                         self.locks.push(Lock { token: token.clone(), ends: 0 });
-                        Ok(BeginAnswer::Locked { token })
+                        Ok(BeginAnswer::Locked { token: token.into() })
                     }
                     other => other,
                 };
@@ -231,7 +231,7 @@ impl Driver {
     pub fn finish(&mut self) -> Result<(), String> {
         self.step(Event::StreamEnd)?;
         if self.begin_pending {
-            self.step(Event::BeginAnswer(Ok(BeginAnswer::Locked { token: String::new() })))?;
+            self.step(Event::BeginAnswer(Ok(BeginAnswer::Locked { token: "".into() })))?;
         }
         if self.upstream_pending {
             let answer = UpstreamAnswer { status: 201, headers: vec![], body: vec![] };
@@ -323,7 +323,8 @@ impl Driver {
         Ok(())
     }
 
-    fn end_lock(&mut self, key: &str, token: &str) -> Result<(), String> {
+    fn end_lock(&mut self, key: &str, token: &LockToken) -> Result<(), String> {
+        let token = token.to_string();
         if self.begun.as_ref().map(|(k, _)| k.as_str()) != Some(key) {
             return self.violation(format!("a commit or release for another key: {key:?}"));
         }

@@ -29,14 +29,15 @@ use idem_protocol as proto;
 use idem_protocol::CommitOutcome;
 
 use crate::config::Config;
-use crate::worker::coordinator::{Clock, Command, Coordinator, Dispatch, Stepped};
-use crate::sim::memory::MemoryData;
-use crate::worker::local_store::SharedData;
 use crate::request::machine::Action;
 use crate::request::metrics::Metric;
-use crate::store::record::Record;
+use crate::sim::memory::MemoryData;
 use crate::sim::request::MockView;
 use crate::store::client::StoreCall;
+use crate::store::record::Record;
+use crate::worker::coordinator::{Command, Coordinator, Dispatch, Stepped};
+use crate::worker::env::Clock;
+use crate::worker::env::SharedData;
 
 /// Configurations a run picks from (each with `store_key_header`, through which the simulation
 /// learns every stream's store key).
@@ -785,10 +786,10 @@ impl World {
                     for call in queued {
                         match call {
                             StoreCall::Commit { key, token, .. } => {
-                                self.note_lock_end(true, &key, &token, false)?
+                                self.note_lock_end(true, &key, &token.to_string(), false)?
                             }
                             StoreCall::Release { key, token } => {
-                                self.note_lock_end(false, &key, &token, false)?
+                                self.note_lock_end(false, &key, &token.to_string(), false)?
                             }
                             StoreCall::Begin { .. } => {}
                         }
@@ -949,8 +950,9 @@ impl World {
             body_omitted: false,
             print: Some(print),
         };
-        let body_hash =
-            crate::request::key::hex(&sha2::Digest::finalize(<sha2::Sha256 as sha2::Digest>::new_with_prefix(body)));
+        let body_hash = crate::request::key::hex(&sha2::Digest::finalize(
+            <sha2::Sha256 as sha2::Digest>::new_with_prefix(body),
+        ));
         let retention_us = self.cfg.retention_seconds * 1_000_000;
         self.store.insert(
             key,

@@ -10,8 +10,44 @@ use crate::store::record::Record;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreCall {
     Begin { key: String, body_hash: String },
-    Commit { key: String, token: String, body_hash: String, record: Vec<u8> },
-    Release { key: String, token: String },
+    Commit { key: String, token: LockToken, body_hash: String, record: Vec<u8> },
+    Release { key: String, token: LockToken },
+}
+
+/// The lock a `begin` granted, which the machine gives back with its commit or release.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum LockToken {
+    /// The store's lock: its token, sent back with the commit or release.
+    Store(String),
+    /// A lock of this Envoy's local fallback, taken while the store failed (`worker::fallback`):
+    /// its owner in the local store. Its commit and release stay in this Envoy; the worker
+    /// never sends it to the store.
+    Local(u64),
+}
+
+/// As sent to the store, and in log lines.
+impl std::fmt::Display for LockToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LockToken::Store(token) => f.write_str(token),
+            LockToken::Local(owner) => write!(f, "local-{owner:016x}"),
+        }
+    }
+}
+
+/// A store token, in tests.
+#[cfg(any(test, feature = "sim"))]
+impl From<&str> for LockToken {
+    fn from(token: &str) -> LockToken {
+        LockToken::Store(token.to_string())
+    }
+}
+
+#[cfg(any(test, feature = "sim"))]
+impl From<String> for LockToken {
+    fn from(token: String) -> LockToken {
+        LockToken::Store(token)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,14 +137,14 @@ impl StoreCall {
                 (proto::PATH_BEGIN, None, timeout_ms)
             }
             StoreCall::Commit { token, body_hash, record, .. } => {
-                headers.push((proto::HEADER_TOKEN, token.clone()));
+                headers.push((proto::HEADER_TOKEN, token.to_string()));
                 headers.push((proto::HEADER_BODY_HASH, body_hash.clone()));
                 headers.push((proto::HEADER_RETENTION_S, cfg.retention_seconds.to_string()));
                 headers.push(("content-type", "application/octet-stream".to_string()));
                 (proto::PATH_COMMIT, Some(record.clone()), cfg.store_timeout_ms)
             }
             StoreCall::Release { token, .. } => {
-                headers.push((proto::HEADER_TOKEN, token.clone()));
+                headers.push((proto::HEADER_TOKEN, token.to_string()));
                 (proto::PATH_RELEASE, None, cfg.store_timeout_ms)
             }
         };
@@ -137,7 +173,7 @@ pub fn batch_callout(cfg: &Config, commits: &[&StoreCall]) -> Callout {
     let mut body = Vec::new();
     for call in commits {
         if let StoreCall::Commit { key, token, body_hash, record } = call {
-            proto::encode_batch_item(&mut body, key, token, body_hash, record);
+            proto::encode_batch_item(&mut body, key, &token.to_string(), body_hash, record);
         }
     }
     Callout { headers, body: Some(body), timeout_ms: cfg.store_timeout_ms }
@@ -182,7 +218,7 @@ impl std::fmt::Display for CalloutFault {
 pub enum BeginAnswer {
     Replay(Record),
     Locked {
-        token: String,
+        token: LockToken,
     },
     /// The lock is still held; `lock_ms`: how long it still lives, when the store says.
     Busy {
@@ -233,7 +269,7 @@ impl Answer<'_> {
                 if !proto::is_token(token) {
                     return Err(CalloutFault::Garbage("bad token"));
                 }
-                BeginAnswer::Locked { token: String::from_utf8_lossy(token).into_owned() }
+                BeginAnswer::Locked { token: LockToken::Store(String::from_utf8_lossy(token).into_owned()) }
             }
             // Optional and advisory (the 409's `retry-after`): absent or malformed is `None`.
             BeginOutcome::Busy => BeginAnswer::Busy {
@@ -329,7 +365,7 @@ mod tests {
     fn commits_go_in_one_callout_and_their_answers_come_back_in_order() {
         let commit = |k: char, record: &[u8]| StoreCall::Commit {
             key: k.to_string().repeat(64),
-            token: format!("t{k}"),
+            token: format!("t{k}").into(),
             body_hash: "b".repeat(64),
             record: record.to_vec(),
         };

@@ -17,8 +17,8 @@
 //! they expire. No other magic decodes.
 
 use crate::config::MAX_FINGERPRINT_HEADERS;
-use crate::request::fingerprint::RequestPrint;
 use crate::http::headers;
+use crate::request::fingerprint::RequestPrint;
 
 const MAGIC: &[u8; 4] = b"IDR2";
 const MAGIC_V1: &[u8; 4] = b"IDR1";

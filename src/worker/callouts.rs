@@ -1,0 +1,293 @@
+//! The callouts of one worker, from the moment a stream asks for one to its answer: the outbox
+//! a stream callback fills, the wake-up that makes the root dispatch it, the calls handed to the
+//! host and those in flight, and commits held while another commit is in flight, then sent
+//! together (`commits`).
+//!
+//! Callouts are owned by the root context, not by the stream: Envoy cancels a stream's pending
+//! callouts when the stream ends, and a `begin` that took the lock, or a `commit` sent after the
+//! response went out, must not be lost with it. A stream callback therefore puts its call in the
+//! outbox and asks for a wake-up ([`Command::Wake`], a per-worker shared queue); the root's
+//! callback dispatches it ([`Command::Dispatch`]), so Envoy registers the callout under the root.
+//! What an answer means is not decided here: the coordinator gets the [`Job`] back.
+
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+
+use crate::config::Config;
+use crate::request::detached::UpstreamCall;
+use crate::store::client::{self, StoreCall};
+use crate::worker::coordinator::{Command, Dispatch};
+use crate::worker::env::Clock;
+
+/// A callout on behalf of a stream (which may be gone by the time it answers), or of the
+/// worker itself (a batch of commits, a hand-back).
+pub struct Job {
+    pub stream: u32,
+    /// For log lines: the request's `x-request-id`, or `-`.
+    pub request_id: Rc<str>,
+    pub call: Call,
+    /// 0 for the first try; see [`StoreCall::after_fault`].
+    pub attempt: u32,
+    /// When the callout was handed to the host, for the latency histograms and the cache.
+    pub sent_us: Option<u64>,
+    /// A local record's commit, handed back to the store (no stream).
+    pub hand_back: bool,
+}
+
+pub enum Call {
+    Store(StoreCall),
+    /// First tries of commits held while another commit was in flight, sent as one `commits`.
+    Batch(Vec<Job>),
+    /// Detached execution: the request itself, to the route's cluster.
+    Upstream(UpstreamCall),
+}
+
+impl Job {
+    /// A first try on behalf of `stream`.
+    pub fn new(stream: u32, request_id: Rc<str>, call: Call) -> Job {
+        Job { stream, request_id, call, attempt: 0, sent_us: None, hand_back: false }
+    }
+
+    /// A call of the worker's own, for no stream.
+    pub fn worker(call: Call) -> Job {
+        Job::new(0, Rc::from("-"), call)
+    }
+
+    /// For log lines: the request id, and the store key's prefix or the cluster of a detached
+    /// call. Never the client's key: only its derived store key is known past the headers.
+    pub fn label(&self) -> String {
+        match &self.call {
+            Call::Store(c) => {
+                format!("request {} key {}: store {:?}", self.request_id, key_prefix(c.key()), c.kind())
+            }
+            Call::Batch(items) => format!("store commits of {} requests", items.len()),
+            Call::Upstream(c) => format!("request {}: detached call to {}", self.request_id, c.cluster),
+        }
+    }
+
+    /// A commit's first try: it may wait for the commit in flight and go with others.
+    fn batchable(&self) -> bool {
+        matches!(self.call, Call::Store(StoreCall::Commit { .. })) && self.attempt == 0 && !self.hand_back
+    }
+
+    /// A callout that counts as the worker's commit in flight.
+    fn commit_flight(&self) -> bool {
+        self.batchable() || matches!(self.call, Call::Batch(_))
+    }
+}
+
+/// The store key as log lines show it: its first 12 hex digits.
+pub fn key_prefix(key: &str) -> &str {
+    key.get(..12).unwrap_or(key)
+}
+
+/// Which kind of callback an event came in: Envoy's rules for callouts differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Callback {
+    Stream,
+    Root,
+}
+
+pub struct Callouts {
+    cfg: Rc<Config>,
+    /// Calls from stream callbacks, waiting for the root's wake-up.
+    outbox: Vec<Job>,
+    wake_pending: bool,
+    /// Handed to the host in a [`Command::Dispatch`], token not yet known.
+    dispatching: HashMap<u64, Job>,
+    next_job: u64,
+    /// In flight, by the token Envoy gave the callout.
+    in_flight: HashMap<u32, Job>,
+    /// Commit callouts in flight; while there is one, new commits are held and then go
+    /// together: the store sees one call for many commits under load, and none waits when idle.
+    commit_flights: usize,
+    held: Vec<Job>,
+    /// Off once the store answered a batch `404`/`405`: an idemstore older than `commits` (a
+    /// rolling upgrade) gets every commit alone, as before, instead of a failed batch each time.
+    batching: bool,
+}
+
+impl Callouts {
+    pub fn new(cfg: Rc<Config>) -> Callouts {
+        Callouts {
+            cfg,
+            outbox: Vec::new(),
+            wake_pending: false,
+            dispatching: HashMap::new(),
+            next_job: 0,
+            in_flight: HashMap::new(),
+            commit_flights: 0,
+            held: Vec::new(),
+            batching: true,
+        }
+    }
+
+    /// Queues a callout: dispatched at once in a root callback, else after a wake-up.
+    pub fn submit(&mut self, job: Job, callback: Callback, clock: &dyn Clock, out: &mut VecDeque<Command>) {
+        self.outbox.push(job);
+        match callback {
+            Callback::Root => self.flush(clock, out),
+            Callback::Stream if !self.wake_pending => {
+                self.wake_pending = true;
+                out.push_back(Command::Wake);
+            }
+            Callback::Stream => {}
+        }
+    }
+
+    /// The root's wake-up: dispatches everything queued (or holds commits for a batch).
+    pub fn flush(&mut self, clock: &dyn Clock, out: &mut VecDeque<Command>) {
+        self.wake_pending = false;
+        let jobs = std::mem::take(&mut self.outbox);
+        if jobs.is_empty() {
+            return;
+        }
+        let sent_us = clock.now_us();
+        for job in jobs {
+            if self.batching && job.batchable() && self.commit_flights > 0 {
+                self.held.push(job);
+            } else {
+                self.dispatch(job, sent_us, out);
+            }
+        }
+    }
+
+    /// The wake-up could not be sent: the queued calls, which would never leave.
+    pub fn take_queued(&mut self) -> Vec<Job> {
+        self.wake_pending = false;
+        std::mem::take(&mut self.outbox)
+    }
+
+    /// The host carried out a [`Command::Dispatch`]: `token` is Envoy's, `None` if it refused.
+    /// Returns the job if it failed to leave.
+    pub fn dispatched(
+        &mut self,
+        job: u64,
+        token: Option<u32>,
+        clock: &dyn Clock,
+        out: &mut VecDeque<Command>,
+    ) -> Option<Job> {
+        let job = self.dispatching.remove(&job)?;
+        match token {
+            Some(token) => {
+                self.in_flight.insert(token, job);
+                None
+            }
+            None => {
+                log::warn!("{}: dispatch failed", job.label());
+                self.ended(&job, clock, out);
+                Some(job)
+            }
+        }
+    }
+
+    /// The callout `token` answered: its job, if it is one of ours.
+    pub fn answered(&mut self, token: u32, clock: &dyn Clock, out: &mut VecDeque<Command>) -> Option<Job> {
+        let job = self.in_flight.remove(&token)?;
+        self.ended(&job, clock, out);
+        Some(job)
+    }
+
+    /// The store does not know `commits` (an idemstore older than this filter): every commit
+    /// goes alone from now on.
+    pub fn stop_batching(&mut self) {
+        self.batching = false;
+    }
+
+    /// A callout left the worker's hands: if it was the commit in flight, the commits held
+    /// meanwhile go now, as few calls as the batch limits allow.
+    fn ended(&mut self, job: &Job, clock: &dyn Clock, out: &mut VecDeque<Command>) {
+        if !job.commit_flight() {
+            return;
+        }
+        self.commit_flights = self.commit_flights.saturating_sub(1);
+        if self.commit_flights > 0 || self.held.is_empty() {
+            return;
+        }
+        let sent_us = clock.now_us();
+        let mut batch: Vec<Job> = Vec::new();
+        let mut bytes = 0;
+        for job in std::mem::take(&mut self.held) {
+            let size = match &job.call {
+                Call::Store(StoreCall::Commit { record, .. }) => record.len(),
+                _ => 0,
+            };
+            if !batch.is_empty()
+                && (batch.len() == idem_protocol::MAX_BATCH_ITEMS || bytes + size > client::MAX_BATCH_BYTES)
+            {
+                self.dispatch_batch(std::mem::take(&mut batch), sent_us, out);
+                bytes = 0;
+            }
+            bytes += size;
+            batch.push(job);
+        }
+        self.dispatch_batch(batch, sent_us, out);
+    }
+
+    fn dispatch_batch(&mut self, mut items: Vec<Job>, sent_us: Option<u64>, out: &mut VecDeque<Command>) {
+        match items.len() {
+            0 => {}
+            1 => {
+                if let Some(job) = items.pop() {
+                    self.dispatch(job, sent_us, out);
+                }
+            }
+            _ => self.dispatch(Job::worker(Call::Batch(items)), sent_us, out),
+        }
+    }
+
+    /// Hands a callout to the host.
+    fn dispatch(&mut self, mut job: Job, sent_us: Option<u64>, out: &mut VecDeque<Command>) {
+        if job.commit_flight() {
+            self.commit_flights += 1;
+        }
+        job.sent_us = sent_us;
+        let id = self.next_job;
+        self.next_job += 1;
+        let store_callout = |c: client::Callout| Dispatch {
+            job: id,
+            cluster: self.cfg.store_cluster.clone(),
+            headers: c.headers.into_iter().map(|(n, v)| (n.to_string(), v)).collect(),
+            body: c.body,
+            timeout_ms: c.timeout_ms,
+        };
+        let dispatch = match &mut job.call {
+            Call::Store(call) => store_callout(call.callout(&self.cfg, sent_us.map(|us| us / 1000))),
+            Call::Batch(items) => {
+                let calls: Vec<&StoreCall> = items
+                    .iter()
+                    .filter_map(|j| match &j.call {
+                        Call::Store(c) => Some(c),
+                        _ => None,
+                    })
+                    .collect();
+                store_callout(client::batch_callout(&self.cfg, &calls))
+            }
+            // The body is not needed again: whatever the answer, it is not resent.
+            Call::Upstream(c) => Dispatch {
+                job: id,
+                cluster: c.cluster.clone(),
+                headers: std::mem::take(&mut c.headers),
+                body: Some(std::mem::take(&mut c.body)),
+                timeout_ms: c.timeout_ms,
+            },
+        };
+        self.dispatching.insert(id, job);
+        out.push_back(Command::Dispatch(dispatch));
+    }
+
+    /// Callouts not yet answered, wherever they are.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn pending(&self) -> usize {
+        self.outbox.len() + self.held.len() + self.dispatching.len() + self.in_flight.len()
+    }
+
+    /// The store calls waiting for a wake-up.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn queued(&self) -> impl Iterator<Item = &StoreCall> {
+        self.outbox.iter().filter_map(|job| match &job.call {
+            Call::Store(call) => Some(call),
+            Call::Batch(_) | Call::Upstream(_) => None,
+        })
+    }
+}

@@ -6,8 +6,8 @@
 //! `409`; once the store answers again, the local records are handed back to it (a commit each),
 //! so that a retry through another Envoy replays too.
 //!
-//! Local lock tokens are `local-<16 hex>`: the machine passes them back in its commit or
-//! release like the store's, and the coordinator sends those here instead of to the store.
+//! A local lock is a [`LockToken::Local`]: the machine passes it back in its commit or release
+//! like the store's, and the worker's store path sends those here instead of to the store.
 //!
 //! While the store answers, what this Envoy does with it is mirrored here (see `local`): a lock
 //! the store granted ([`Fallback::adopt`]), a record sent ([`Fallback::sent`]) or not taken
@@ -18,12 +18,12 @@
 use std::collections::HashMap;
 
 use crate::config::{Config, FailureMode};
-use crate::worker::local_store::{Begin, HandBack, LocalStore, SharedData};
 use crate::request::metrics::Metric;
+use crate::store::client::{BeginAnswer, CalloutFault, LockToken};
 use crate::store::record::Record;
-use crate::store::client::{BeginAnswer, CalloutFault};
+use crate::worker::env::SharedData;
+use crate::worker::local_store::{Begin, HandBack, LocalStore};
 
-const TOKEN_PREFIX: &str = "local-";
 /// The token a hand-back of a record made under a local lock carries (it ends no store lock).
 pub const HAND_BACK_TOKEN: &str = "handback";
 /// How often waiters look at the lock they wait for.
@@ -72,15 +72,6 @@ pub struct Fallback {
     next_scan_ms: u64,
     backoff_ms: u64,
     last_failure_ms: u64,
-}
-
-fn owner_of(token: &str) -> Option<u64> {
-    u64::from_str_radix(token.strip_prefix(TOKEN_PREFIX)?, 16).ok()
-}
-
-/// A lock token the local store issued (not the store's).
-pub fn is_local(token: &str) -> bool {
-    token.starts_with(TOKEN_PREFIX)
 }
 
 impl Fallback {
@@ -154,7 +145,7 @@ impl Fallback {
             Begin::Mismatch => Outcome::Answer(Ok(BeginAnswer::Mismatch), vec![]),
             Begin::Locked => {
                 self.next_owner = self.next_owner.wrapping_add(1);
-                let token = format!("{TOKEN_PREFIX}{owner:016x}");
+                let token = LockToken::Local(owner);
                 Outcome::Answer(Ok(BeginAnswer::Locked { token }), vec![Metric::LocalLocks, Metric::Degraded])
             }
             Begin::Held { remaining_ms } => {
@@ -242,11 +233,6 @@ impl Fallback {
         self.mirrored.remove(token);
     }
 
-    /// Store locks mirrored and not yet ended: for the simulation's checks.
-    pub fn mirrored(&self) -> usize {
-        self.mirrored.len()
-    }
-
     /// The store's lock `token` is released (or given up): its mirror goes too.
     pub fn released(&mut self, data: &dyn SharedData, key: &str, token: &str, now_ms: Option<u64>) {
         if let (Some(owner), Some(now)) = (self.mirrored.remove(token), now_ms) {
@@ -281,18 +267,18 @@ impl Fallback {
         due
     }
 
-    /// Keeps the record of a request that ran under the local lock `token` (or gives the lock
-    /// up if it cannot be kept); counts what the bounds pushed out.
+    /// Keeps the record of a request that ran under the local lock of `owner` (or gives the
+    /// lock up if it cannot be kept); counts what the bounds pushed out.
     pub fn commit(
         &mut self,
         data: &dyn SharedData,
         key: &str,
-        token: &str,
+        owner: u64,
         body_hash: &str,
         record: &[u8],
         now_ms: Option<u64>,
     ) -> Vec<(Metric, u64)> {
-        let (Some(owner), Some(now)) = (owner_of(token), now_ms) else { return vec![] };
+        let Some(now) = now_ms else { return vec![] };
         self.keep_record(data, key, owner, body_hash, record, "", now);
         self.dropped()
     }
@@ -335,8 +321,9 @@ impl Fallback {
         (bytes.len() <= max).then_some(bytes)
     }
 
-    pub fn release(&mut self, data: &dyn SharedData, key: &str, token: &str, now_ms: Option<u64>) {
-        if let (Some(owner), Some(now)) = (owner_of(token), now_ms) {
+    /// Gives up the local lock of `owner`.
+    pub fn release(&mut self, data: &dyn SharedData, key: &str, owner: u64, now_ms: Option<u64>) {
+        if let Some(now) = now_ms {
             self.store.release(data, key, owner, now);
         }
     }
@@ -353,6 +340,8 @@ impl Fallback {
         self.hand_back_due && now_ms >= self.next_scan_ms
     }
 
+    /// Local records may wait to be handed back (known after the last scan).
+    #[cfg(any(test, feature = "sim"))]
     pub fn hand_back_due(&self) -> bool {
         self.hand_back_due
     }
@@ -405,6 +394,8 @@ impl Fallback {
         }
     }
 
+    /// Streams wait for a local lock another request holds.
+    #[cfg(any(test, feature = "sim"))]
     pub fn is_waiting(&self) -> bool {
         !self.waiters.is_empty()
     }
@@ -427,10 +418,11 @@ mod tests {
         c.to_string().repeat(64)
     }
 
-    fn token(outcome: &Outcome) -> String {
+    /// The owner of the local lock granted.
+    fn token(outcome: &Outcome) -> u64 {
         match outcome {
-            Outcome::Answer(Ok(BeginAnswer::Locked { token }), _) => token.clone(),
-            other => panic!("not locked: {other:?}"),
+            Outcome::Answer(Ok(BeginAnswer::Locked { token: LockToken::Local(owner) }), _) => *owner,
+            other => panic!("not locked here: {other:?}"),
         }
     }
 
@@ -449,13 +441,12 @@ mod tests {
         let (k, b) = (hex('a'), hex('b'));
         let first = f.begin(&data, 2, &k, &b, CalloutFault::Reset, Some(0));
         let t = token(&first);
-        assert!(is_local(&t));
         assert!(matches!(&first, Outcome::Answer(_, m) if *m == [Metric::LocalLocks, Metric::Degraded]));
         assert_eq!(f.begin(&data, 3, &k, &b, CalloutFault::Reset, Some(10)), Outcome::Wait);
         assert_eq!(f.tick_ms(), WAIT_POLL_MS);
         assert!(f.due(&data, 20, |_| false).is_empty(), "still held");
         let record = Record { status: 201, body: b"made".to_vec(), ..Record::default() }.encode();
-        assert!(f.commit(&data, &k, &t, &b, &record, Some(30)).is_empty());
+        assert!(f.commit(&data, &k, t, &b, &record, Some(30)).is_empty());
         let due = f.due(&data, 40, |_| false);
         assert_eq!(due.len(), 1);
         match &due[0] {
@@ -492,7 +483,7 @@ mod tests {
         let b = hex('b');
         for (stream, c) in [(2, 'a'), (3, 'c')] {
             let t = token(&f.begin(&data, stream, &hex(c), &b, CalloutFault::Reset, Some(0)));
-            f.commit(&data, &hex(c), &t, &b, &Record::status_only(201).encode(), Some(0));
+            f.commit(&data, &hex(c), t, &b, &Record::status_only(201).encode(), Some(0));
         }
         assert_eq!(f.tick_ms(), HAND_BACK_MS);
         let (claimed, records) = f.hand_backs(&data, 5_000);
@@ -515,7 +506,7 @@ mod tests {
         let (k, b) = (hex('a'), hex('b'));
         let t = token(&f.begin(&data, 2, &k, &b, CalloutFault::Reset, Some(0)));
         let big = Record { status: 201, body: vec![7; 4096], ..Record::default() }.encode();
-        f.commit(&data, &k, &t, &b, &big, Some(1));
+        f.commit(&data, &k, t, &b, &big, Some(1));
         match f.begin(&data, 3, &k, &b, CalloutFault::Reset, Some(2)) {
             Outcome::Answer(Ok(BeginAnswer::Replay(r)), _) => assert!(r.body_omitted && r.body.is_empty()),
             other => panic!("{other:?}"),

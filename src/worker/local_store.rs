@@ -19,6 +19,7 @@
 //! record the store never took becomes a local record, handed back later with the store's token.
 
 use crate::request::key;
+use crate::worker::env::SharedData;
 
 /// At most this many stripes: each is read whole by an operation on one of its keys, and all of
 /// them by a hand-back scan.
@@ -28,15 +29,6 @@ const ATTEMPTS: usize = 16;
 /// A claimed hand-back not confirmed within this is handed out again.
 const CLAIM_MS: u64 = 10_000;
 const MAGIC: &[u8; 4] = b"IDL2";
-
-/// Envoy's shared data: values with a version, written only if the version is unchanged.
-pub trait SharedData {
-    /// The value and its version; `None` if the key was never set.
-    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)>;
-    /// Writes `value` if the key's version is still `cas`; `false` if it is not (or the host
-    /// refused).
-    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool;
-}
 
 /// What `begin` finds locally.
 #[derive(Debug, Clone, PartialEq, Eq)]

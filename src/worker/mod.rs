@@ -3,12 +3,13 @@
 //! into commands for the host; [`callouts`] owns the calls in flight (outbox, wake-up, dispatch,
 //! commit batching); [`store_path`] decides who answers a store call: the [`record_cache`], the
 //! [`breaker`], the local fallback ([`fallback`] over the process-wide [`local_store`]) or the
-//! network. Pure, behind the small `Clock` and `SharedData` traits. May use `request`, `store`,
+//! network. Pure: the host is behind the small traits of [`env`]. May use `request`, `store`,
 //! `config` and `http`.
 
 pub mod breaker;
 pub mod callouts;
 pub mod coordinator;
+pub mod env;
 pub mod fallback;
 pub mod local_store;
 pub mod record_cache;

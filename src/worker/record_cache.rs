@@ -35,7 +35,7 @@ struct CachedRecord {
 }
 
 #[derive(Debug)]
-pub struct Recent {
+pub struct RecordCache {
     entries: HashMap<String, CachedRecord>,
     /// Insertion order, for eviction; stale positions (of a key since re-inserted or removed)
     /// are skipped when they reach the front.
@@ -50,10 +50,10 @@ pub struct Recent {
 /// (64 bytes each, twice for the key: map and queue) and the map, queue and `Vec` overheads.
 const ENTRY_OVERHEAD: usize = 320;
 
-impl Recent {
+impl RecordCache {
     /// `max_entries == 0` (or `max_bytes == 0`) disables the cache.
-    pub fn new(max_entries: usize, max_bytes: usize) -> Recent {
-        Recent {
+    pub fn new(max_entries: usize, max_bytes: usize) -> RecordCache {
+        RecordCache {
             entries: HashMap::new(),
             order: VecDeque::new(),
             bytes: 0,
@@ -173,7 +173,7 @@ mod tests {
 
     #[test]
     fn replays_until_expiry_then_misses() {
-        let mut c = Recent::new(10, 1 << 20);
+        let mut c = RecordCache::new(10, 1 << 20);
         assert_eq!(c.lookup("k", H1, 0), Cached::Miss);
         c.remember("k", H1, &record("{}"), 1_000, 0);
         assert_eq!(c.lookup("k", H1, 999), Cached::Replay(record("{}")));
@@ -185,10 +185,10 @@ mod tests {
 
     #[test]
     fn already_expired_or_disabled_is_not_kept() {
-        let mut c = Recent::new(10, 1 << 20);
+        let mut c = RecordCache::new(10, 1 << 20);
         c.remember("k", H1, &record("{}"), 5, 5);
         assert!(c.is_empty());
-        for mut off in [Recent::new(0, 1 << 20), Recent::new(10, 0)] {
+        for mut off in [RecordCache::new(0, 1 << 20), RecordCache::new(10, 0)] {
             assert!(!off.is_enabled());
             off.remember("k", H1, &record("{}"), 1_000, 0);
             assert_eq!(off.lookup("k", H1, 1), Cached::Miss);
@@ -197,7 +197,7 @@ mod tests {
 
     #[test]
     fn bounded_in_entries_oldest_first() {
-        let mut c = Recent::new(3, 1 << 20);
+        let mut c = RecordCache::new(3, 1 << 20);
         for k in ["a", "b", "c", "d"] {
             c.remember(k, H1, &record(k), 1_000, 0);
         }
@@ -210,7 +210,7 @@ mod tests {
     fn bounded_in_bytes() {
         let body = "x".repeat(1000);
         let one = ENTRY_OVERHEAD + body.len() + "content-type".len() + "application/json".len() + 48;
-        let mut c = Recent::new(100, 5 * one);
+        let mut c = RecordCache::new(100, 5 * one);
         for i in 0..20 {
             c.remember(&format!("k{i}"), H1, &record(&body), 1_000, 0);
             assert!(c.bytes() <= 5 * one);
@@ -226,7 +226,7 @@ mod tests {
 
     #[test]
     fn reinserting_a_key_keeps_the_accounting_exact() {
-        let mut c = Recent::new(4, 1 << 20);
+        let mut c = RecordCache::new(4, 1 << 20);
         for round in 0..1_000u64 {
             c.remember("hot", H1, &record("{}"), 10_000 + round, round);
             c.remember(&format!("cold{}", round % 7), H1, &record("{}"), 10_000, round);

@@ -31,17 +31,17 @@ use sha2::{Digest, Sha256};
 use std::rc::Rc;
 
 use crate::config::{Config, FailureMode, MissingId, Subject};
+use crate::http::headers;
 use crate::request::detached::{self, UpstreamAnswer, UpstreamCall};
 use crate::request::fingerprint::{self, RequestPrint};
-use crate::http::headers;
 use crate::request::inbox::{self, AtHeaders, IdError, MessageId};
 use crate::request::keep::{self, Head, Keep};
 use crate::request::key;
 use crate::request::metrics::Metric;
 use crate::request::problem::{self, LocalResponse};
-use crate::store::record::{self, Record};
 use crate::request::replay;
-use crate::store::client::{BeginAnswer, CalloutFault, StoreCall};
+use crate::store::client::{BeginAnswer, CalloutFault, LockToken, StoreCall};
+use crate::store::record::{self, Record};
 
 /// What the machine may read from the host, lazily: a request that is not guarded costs one
 /// header lookup.
@@ -148,19 +148,19 @@ enum State {
     Executing {
         key: String,
         body_hash: String,
-        token: String,
+        token: LockToken,
     },
     /// The filter itself sent the request (detached execution); `gone`: the client went away.
     Detached {
         key: String,
         body_hash: String,
-        token: String,
+        token: LockToken,
         gone: bool,
     },
     Capturing {
         key: String,
         body_hash: String,
-        token: String,
+        token: LockToken,
         capture: Capture,
     },
     /// Nothing left to do: not guarded, answered, failed open, committed or released.
@@ -175,7 +175,7 @@ struct Detach {
     body: Vec<u8>,
 }
 
-pub struct Stream {
+pub struct Machine {
     cfg: Rc<Config>,
     state: State,
     detach: Option<Detach>,
@@ -186,9 +186,9 @@ pub struct Stream {
     accept_encoding: Vec<Vec<u8>>,
 }
 
-impl Stream {
-    pub fn new(cfg: Rc<Config>) -> Stream {
-        Stream { cfg, state: State::Start, detach: None, print: None, accept_encoding: Vec::new() }
+impl Machine {
+    pub fn new(cfg: Rc<Config>) -> Machine {
+        Machine { cfg, state: State::Start, detach: None, print: None, accept_encoding: Vec::new() }
     }
 
     /// The store key, once derived: for log lines (a prefix of it, never the client's key).
@@ -667,7 +667,7 @@ impl Stream {
     fn end_without_record(
         &self,
         key: String,
-        token: String,
+        token: LockToken,
         body_hash: String,
         status: u16,
         keep: Keep,
@@ -903,7 +903,7 @@ fn too_large(mut effects: Vec<Effect>, max: usize) -> Step {
     Step::pause(effects)
 }
 
-fn release(key: String, token: String) -> Vec<Effect> {
+fn release(key: String, token: LockToken) -> Vec<Effect> {
     vec![Effect::Store(StoreCall::Release { key, token }), Effect::Count(Metric::Released)]
 }
 

@@ -2,7 +2,7 @@ use super::*;
 use crate::request::detached::{UpstreamAnswer, UpstreamCall};
 use crate::request::key::hex;
 use crate::sim::request::{Driver, Event, MockView, Tally};
-use crate::store::client::BeginAnswer;
+use crate::store::client::{BeginAnswer, LockToken};
 
 fn cfg(extra: &str) -> Rc<Config> {
     let json =
@@ -41,8 +41,8 @@ fn counts(effects: &[Effect]) -> Vec<Metric> {
 }
 
 /// A stream that has taken the lock with token `t1` for a request with body `{}`.
-fn executing(extra: &str) -> (Stream, String) {
-    let mut s = Stream::new(cfg(extra));
+fn executing(extra: &str) -> (Machine, String) {
+    let mut s = Machine::new(cfg(extra));
     let mut v = MockView::post(Some("k1"));
     v.request_body = b"{}".to_vec();
     assert_eq!(s.on_request_headers(&v, false).action, Action::Pause);
@@ -65,7 +65,7 @@ fn release_of(key: &str) -> Vec<Effect> {
 
 #[test]
 fn unguarded_methods_and_keyless_requests_pass() {
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     let mut v = MockView::post(Some("k"));
     v.request[0].1 = b"GET".to_vec();
     assert_eq!(s.on_request_headers(&v, true), Step::go(vec![]));
@@ -73,7 +73,7 @@ fn unguarded_methods_and_keyless_requests_pass() {
     // The host skips a done stream's later callbacks.
     assert!(s.is_done());
 
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     assert_eq!(
         s.on_request_headers(&MockView::post(None), false),
         Step::go(vec![Effect::Count(Metric::Passthrough)])
@@ -86,20 +86,20 @@ fn unguarded_methods_and_keyless_requests_pass() {
 
 #[test]
 fn require_key_and_malformed_keys_get_400() {
-    let mut s = Stream::new(cfg(r#","require_key":true"#));
+    let mut s = Machine::new(cfg(r#","require_key":true"#));
     let step = s.on_request_headers(&MockView::post(None), false);
     assert_eq!(step.action, Action::Pause);
     assert_eq!(respond_status(&step.effects), Some(400));
     assert_eq!(counts(&step.effects), vec![Metric::Rejected]);
 
     for bad in ["", "a b", "\"open"] {
-        let mut s = Stream::new(cfg(""));
+        let mut s = Machine::new(cfg(""));
         let step = s.on_request_headers(&MockView::post(Some(bad)), false);
         assert_eq!(respond_status(&step.effects), Some(400), "{bad:?}");
         let Some(Effect::Respond(r)) = step.effects.first() else { panic!() };
         assert!(!String::from_utf8_lossy(&r.body).contains(bad) || bad.is_empty());
     }
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     let mut v = MockView::post(Some("a"));
     v.req("idempotency-key", "b");
     assert_eq!(respond_status(&s.on_request_headers(&v, false).effects), Some(400));
@@ -107,7 +107,7 @@ fn require_key_and_malformed_keys_get_400() {
 
 #[test]
 fn declared_oversized_body_gets_413_before_buffering() {
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     let mut v = MockView::post(Some("k"));
     v.req("content-length", "101");
     let step = s.on_request_headers(&v, false);
@@ -118,7 +118,7 @@ fn declared_oversized_body_gets_413_before_buffering() {
 
 #[test]
 fn streamed_oversized_body_gets_413() {
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     let mut v = MockView::post(Some("k"));
     v.request_body = vec![b'x'; 101];
     s.on_request_headers(&v, false);
@@ -130,7 +130,7 @@ fn streamed_oversized_body_gets_413() {
 
 #[test]
 fn body_is_hashed_incrementally_and_trailers_end_it() {
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     let mut v = MockView::post(Some("k"));
     v.request_body = b"hello world".to_vec();
     s.on_request_headers(&v, false);
@@ -145,7 +145,7 @@ fn body_is_hashed_incrementally_and_trailers_end_it() {
 
 #[test]
 fn headers_only_request_hashes_the_empty_body() {
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     let step = s.on_request_headers(&MockView::post(Some("k")), true);
     assert_eq!(step.action, Action::Pause);
     assert_eq!(counts(&step.effects), vec![Metric::Guarded]);
@@ -156,7 +156,7 @@ fn headers_only_request_hashes_the_empty_body() {
 #[test]
 fn store_key_scope() {
     let key_for = |v: &MockView, extra: &str| {
-        let mut s = Stream::new(cfg(extra));
+        let mut s = Machine::new(cfg(extra));
         begin_call(&s.on_request_headers(v, true).effects).0
     };
     let base = MockView::post(Some("k"));
@@ -208,7 +208,7 @@ fn begin_answers_replay_reject_or_execute() {
         (BeginAnswer::Locked { token: "t".into() }, None, Metric::Executed),
     ];
     for (answer, status, metric) in cases {
-        let mut s = Stream::new(cfg(""));
+        let mut s = Machine::new(cfg(""));
         s.on_request_headers(&MockView::post(Some("k")), true);
         let effects = s.on_begin_answer(Ok(answer));
         assert_eq!(respond_status(&effects), status);
@@ -217,7 +217,7 @@ fn begin_answers_replay_reject_or_execute() {
         // A second answer (duplicate delivery) does nothing.
         assert_eq!(s.on_begin_answer(Ok(BeginAnswer::Busy { lock_ms: None })), vec![]);
     }
-    let mut s = Stream::new(cfg(r#","replay_header":"x-replayed""#));
+    let mut s = Machine::new(cfg(r#","replay_header":"x-replayed""#));
     s.on_request_headers(&MockView::post(Some("k")), true);
     let effects = s.on_begin_answer(Ok(BeginAnswer::Replay(record)));
     let Effect::Respond(r) = &effects[0] else { panic!() };
@@ -243,7 +243,7 @@ fn store_faults_fail_open_or_closed() {
         CalloutFault::Garbage("bad magic"),
     ];
     for fault in faults {
-        let mut s = Stream::new(cfg(""));
+        let mut s = Machine::new(cfg(""));
         s.on_request_headers(&MockView::post(Some("k")), true);
         assert_eq!(s.on_begin_answer(Err(fault)), vec![Effect::Resume, Effect::Count(Metric::Degraded)]);
         // Ran unguarded: the response is not captured and nothing is released.
@@ -252,7 +252,7 @@ fn store_faults_fail_open_or_closed() {
         assert_eq!(s.on_response_headers(&v, true), Step::go(vec![]));
         assert_eq!(s.on_stream_end(), vec![]);
 
-        let mut s = Stream::new(cfg(r#","failure_mode":"closed""#));
+        let mut s = Machine::new(cfg(r#","failure_mode":"closed""#));
         s.on_request_headers(&MockView::post(Some("k")), true);
         let effects = s.on_begin_answer(Err(fault));
         assert_eq!(respond_status(&effects), Some(503));
@@ -279,7 +279,7 @@ fn json_2xx_is_committed_with_allow_listed_headers() {
     else {
         panic!("{:?}", step.effects)
     };
-    assert_eq!((k, token.as_str(), body_hash.clone()), (&key, "t1", sha_hex(b"{}")));
+    assert_eq!((k, token, body_hash.clone()), (&key, &LockToken::from("t1"), sha_hex(b"{}")));
     let record = Record::decode(record).unwrap();
     assert_eq!(record.status, 201);
     assert_eq!(record.body, b"{\"id\":7}");
@@ -503,11 +503,11 @@ fn record_then_retry(
         v.request_body = body.to_vec();
         v
     };
-    let begin = |s: &mut Stream, v: &MockView| {
+    let begin = |s: &mut Machine, v: &MockView| {
         s.on_request_headers(v, false);
         begin_call(&s.on_request_body(v, v.request_body.len(), true).effects)
     };
-    let mut s = Stream::new(cfg(config));
+    let mut s = Machine::new(cfg(config));
     let v = request(first.0, first.1, first.2);
     let first_begin = begin(&mut s, &v);
     s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() }));
@@ -517,7 +517,7 @@ fn record_then_retry(
     let [Effect::Store(StoreCall::Commit { record, .. })] = &step.effects[..] else { panic!("{step:?}") };
     let record = Record::decode(record).unwrap();
 
-    let mut s = Stream::new(cfg(config));
+    let mut s = Machine::new(cfg(config));
     let v = request(retry.0, retry.1, retry.2);
     let retry_begin = begin(&mut s, &v);
     // The store replays by key and body hash; the machine compares the rest.
@@ -600,7 +600,7 @@ fn json_fingerprint_ignores_order_whitespace_and_ignored_members() {
 #[test]
 fn in_flight_409_says_how_long_the_lock_lives() {
     for (lock_ms, after) in [(Some(2_500), "3"), (Some(1), "1"), (None, "1"), (Some(3_600_000), "30")] {
-        let mut s = Stream::new(cfg(r#","lock_wait_ms":0"#));
+        let mut s = Machine::new(cfg(r#","lock_wait_ms":0"#));
         s.on_request_headers(&MockView::post(Some("k")), true);
         let effects = s.on_begin_answer(Ok(BeginAnswer::Busy { lock_ms }));
         let Some(Effect::Respond(r)) = effects.first() else { panic!() };
@@ -622,7 +622,7 @@ fn a_stored_coding_the_retry_does_not_accept_is_406_and_runs_nothing() {
         ..Record::default()
     };
     for (accept, status) in [(Some("gzip"), 201), (None, 406), (Some("br"), 406)] {
-        let mut s = Stream::new(cfg(""));
+        let mut s = Machine::new(cfg(""));
         let mut v = MockView::post(Some("k"));
         if let Some(a) = accept {
             v.req("accept-encoding", a);
@@ -662,7 +662,7 @@ fn reset_or_client_gone_releases_the_lock() {
 
 #[test]
 fn stream_ending_while_begin_is_pending_releases_a_late_lock() {
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     let key = begin_call(&s.on_request_headers(&MockView::post(Some("k")), true).effects).0;
     assert_eq!(s.on_stream_end(), vec![]);
     assert!(!s.is_settled(), "the entry must outlive the stream until begin answers");
@@ -673,7 +673,7 @@ fn stream_ending_while_begin_is_pending_releases_a_late_lock() {
     for answer in
         [Ok(BeginAnswer::Busy { lock_ms: None }), Ok(BeginAnswer::Mismatch), Err(CalloutFault::Timeout)]
     {
-        let mut s = Stream::new(cfg(""));
+        let mut s = Machine::new(cfg(""));
         s.on_request_headers(&MockView::post(Some("k")), true);
         s.on_stream_end();
         assert_eq!(s.on_begin_answer(answer), vec![]);
@@ -685,7 +685,7 @@ fn stream_ending_while_begin_is_pending_releases_a_late_lock() {
 fn envoy_answering_while_begin_is_pending_orphans_the_call() {
     // E.g. the stream idle timeout fires while the store holds `begin`: Envoy sends a 504 local
     // reply through this filter; the request never reaches the upstream.
-    let mut s = Stream::new(cfg(""));
+    let mut s = Machine::new(cfg(""));
     let key = begin_call(&s.on_request_headers(&MockView::post(Some("k")), true).effects).0;
     let mut v = MockView::default();
     v.resp(":status", "504");
@@ -738,7 +738,7 @@ fn random_event_sequences_keep_the_invariants() {
                             headers: vec![],
                         }),
                     })),
-                    _ => Ok(BeginAnswer::Locked { token: String::new() }),
+                    _ => Ok(BeginAnswer::Locked { token: "".into() }),
                 }),
                 4 | 5 => {
                     let mut headers = vec![(
@@ -798,12 +798,12 @@ fn random_event_sequences_keep_the_invariants() {
 const DETACHED: &str = r#","detached_execution":true,"store_key_header":"x-store-key""#;
 
 /// A detached stream that has taken the lock: returns the stream, the store key and the call.
-fn detached_locked() -> (Stream, String, UpstreamCall) {
+fn detached_locked() -> (Machine, String, UpstreamCall) {
     detached_locked_with("")
 }
 
-fn detached_locked_with(extra: &str) -> (Stream, String, UpstreamCall) {
-    let mut s = Stream::new(cfg(&format!("{DETACHED}{extra}")));
+fn detached_locked_with(extra: &str) -> (Machine, String, UpstreamCall) {
+    let mut s = Machine::new(cfg(&format!("{DETACHED}{extra}")));
     let mut v = MockView::post(Some("k1"));
     v.req("x-request-id", "rid-1").req("content-length", "2").req("x-store-key", "forged");
     v.prop("xds.cluster_name", "app");
@@ -918,7 +918,7 @@ fn detached_failures_release_the_lock() {
 
 #[test]
 fn without_a_cluster_the_request_is_routed_normally() {
-    let mut s = Stream::new(cfg(DETACHED));
+    let mut s = Machine::new(cfg(DETACHED));
     s.on_request_headers(&MockView::post(Some("k")), true);
     let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t".into() }));
     assert_eq!(effects, vec![Effect::Resume, Effect::Count(Metric::Executed)]);
@@ -926,12 +926,12 @@ fn without_a_cluster_the_request_is_routed_normally() {
 
 #[test]
 fn store_key_header_is_set_for_guarded_and_removed_from_other_requests() {
-    let mut s = Stream::new(cfg(DETACHED));
+    let mut s = Machine::new(cfg(DETACHED));
     let mut v = MockView::post(None);
     v.req("x-store-key", "forged");
     let step = s.on_request_headers(&v, true);
     assert_eq!(step.effects[0], Effect::RemoveRequestHeader("x-store-key".into()));
-    let mut s = Stream::new(cfg(DETACHED));
+    let mut s = Machine::new(cfg(DETACHED));
     assert_eq!(
         s.on_request_headers(&MockView::post(None), true).effects,
         vec![Effect::Count(Metric::Passthrough)]
@@ -946,7 +946,7 @@ fn subjects_that_are_not_utf8_stay_distinct() {
     let key_for = |uid: f64| {
         let mut v = MockView::post(Some("k"));
         v.props.insert("metadata.filter_metadata.authn.uid".into(), uid.to_le_bytes().to_vec());
-        let mut s = Stream::new(cfg(meta));
+        let mut s = Machine::new(cfg(meta));
         begin_call(&s.on_request_headers(&v, true).effects).0
     };
     assert_ne!(key_for(1000.0), key_for(2000.0));
@@ -964,7 +964,7 @@ fn methods_are_guarded_without_regard_to_case() {
     let key_for = |method: &str| {
         let mut v = MockView::post(Some("k"));
         v.request[0].1 = method.as_bytes().to_vec();
-        let mut s = Stream::new(cfg(""));
+        let mut s = Machine::new(cfg(""));
         let step = s.on_request_headers(&v, true);
         assert_eq!(counts(&step.effects), vec![Metric::Guarded], "{method}");
         begin_call(&step.effects).0
@@ -978,7 +978,7 @@ fn methods_are_guarded_without_regard_to_case() {
 fn without_pause_on_headers_the_body_is_held_instead() {
     // Istio's mode: headers with a body go on (a buffer filter after this one holds them); the
     // body is held until the store answers.
-    let mut s = Stream::new(cfg(r#","pause_on_headers":false"#));
+    let mut s = Machine::new(cfg(r#","pause_on_headers":false"#));
     let mut v = MockView::post(Some("k"));
     v.request_body = b"{}".to_vec();
     let step = s.on_request_headers(&v, false);
@@ -992,7 +992,7 @@ fn without_pause_on_headers_the_body_is_held_instead() {
     let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() }));
     assert_eq!(effects, vec![Effect::Resume, Effect::Count(Metric::Executed)]);
     // A request without a body still stops on its headers: nothing else has to arrive.
-    let mut s = Stream::new(cfg(r#","pause_on_headers":false"#));
+    let mut s = Machine::new(cfg(r#","pause_on_headers":false"#));
     assert_eq!(s.on_request_headers(&MockView::post(Some("k")), true).action, Action::Pause);
 }
 
@@ -1024,8 +1024,8 @@ fn inbox_key_of(source: &[u8], id: &[u8]) -> String {
 }
 
 /// An inbox stream (binary event `e1` from `/src`) that has taken the lock `t1`.
-fn inbox_executing(extra: &str) -> (Stream, String) {
-    let mut s = Stream::new(cfg(extra));
+fn inbox_executing(extra: &str) -> (Machine, String) {
+    let mut s = Machine::new(cfg(extra));
     let step = s.on_request_headers(&binary_event("e1", "/src"), true);
     let (key, _) = begin_call(&step.effects);
     let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() }));
@@ -1041,7 +1041,7 @@ fn committed_record(effects: &[Effect]) -> Record {
 #[test]
 fn inbox_binary_event_is_keyed_by_source_and_id_not_the_client() {
     let key_for = |v: &MockView| {
-        let mut s = Stream::new(cfg(INBOX));
+        let mut s = Machine::new(cfg(INBOX));
         let step = s.on_request_headers(v, true);
         assert_eq!(step.action, Action::Pause);
         assert_eq!(counts(&step.effects), vec![Metric::Guarded]);
@@ -1061,7 +1061,7 @@ fn inbox_binary_event_is_keyed_by_source_and_id_not_the_client() {
     routed.prop("xds.route_name", "billing");
     assert_ne!(key_for(&routed), k, "each subscriber route handles an event once");
     // Without ce-id the Idempotency-Key is not a fallback.
-    let mut s = Stream::new(cfg(INBOX));
+    let mut s = Machine::new(cfg(INBOX));
     let step = s.on_request_headers(&MockView::post(Some("k")), true);
     assert_eq!(respond_status(&step.effects), Some(400));
 }
@@ -1069,7 +1069,7 @@ fn inbox_binary_event_is_keyed_by_source_and_id_not_the_client() {
 #[test]
 fn inbox_body_is_not_hashed_and_bodies_may_differ() {
     let hash_for = |body: &[u8]| {
-        let mut s = Stream::new(cfg(INBOX));
+        let mut s = Machine::new(cfg(INBOX));
         let mut v = binary_event("e1", "/src");
         v.request_body = body.to_vec();
         s.on_request_headers(&v, false);
@@ -1082,7 +1082,7 @@ fn inbox_body_is_not_hashed_and_bodies_may_differ() {
 fn inbox_structured_event_is_read_from_the_body() {
     let body = br#"{"specversion":"1.0","id":"e1","source":"/src","type":"t","data":{"n":1}}"#;
     let v = structured_event(body);
-    let mut s = Stream::new(cfg(INBOX));
+    let mut s = Machine::new(cfg(INBOX));
     assert_eq!(s.on_request_headers(&v, false), Step::pause(vec![]));
     assert_eq!(s.store_key(), None);
     assert!(s.awaits_key());
@@ -1093,13 +1093,13 @@ fn inbox_structured_event_is_read_from_the_body() {
     assert_eq!(begin_call(&step.effects), (inbox_key_of(b"/src", b"e1"), INBOX_BODY_HASH.to_string()));
     assert!(!s.awaits_key());
     // Binary and structured deliveries of one event are one message.
-    let mut s = Stream::new(cfg(INBOX));
+    let mut s = Machine::new(cfg(INBOX));
     assert_eq!(
         begin_call(&s.on_request_headers(&binary_event("e1", "/src"), true).effects).0,
         inbox_key_of(b"/src", b"e1")
     );
     // Trailers end the body too.
-    let mut s = Stream::new(cfg(INBOX));
+    let mut s = Machine::new(cfg(INBOX));
     s.on_request_headers(&v, false);
     s.on_request_body(&v, body.len(), false);
     assert_eq!(begin_call(&s.on_request_trailers().effects).0, inbox_key_of(b"/src", b"e1"));
@@ -1114,7 +1114,7 @@ fn inbox_pubsub_redeliveries_are_one_message() {
         let mut v = MockView::post(None);
         v.req("content-type", "application/json");
         v.request_body = body.clone().into_bytes();
-        let mut s = Stream::new(cfg(PUBSUB));
+        let mut s = Machine::new(cfg(PUBSUB));
         s.on_request_headers(&v, false);
         begin_call(&s.on_request_body(&v, body.len(), true).effects)
     };
@@ -1125,13 +1125,13 @@ fn inbox_pubsub_redeliveries_are_one_message() {
 #[test]
 fn inbox_missing_id_is_rejected_or_passed() {
     // At headers.
-    let mut s = Stream::new(cfg(INBOX));
+    let mut s = Machine::new(cfg(INBOX));
     let step = s.on_request_headers(&MockView::post(None), false);
     assert_eq!(respond_status(&step.effects), Some(400));
     assert_eq!(counts(&step.effects), vec![Metric::Rejected]);
     let Some(Effect::Respond(r)) = step.effects.first() else { panic!() };
     assert!(String::from_utf8_lossy(&r.body).contains("missing-message-id"));
-    let mut s = Stream::new(cfg(INBOX_PASS));
+    let mut s = Machine::new(cfg(INBOX_PASS));
     assert_eq!(
         s.on_request_headers(&MockView::post(None), false),
         Step::go(vec![Effect::Count(Metric::Passthrough)])
@@ -1140,12 +1140,12 @@ fn inbox_missing_id_is_rejected_or_passed() {
     // In the body: decided at its end; `pass` lets the held request go on.
     for body in [&b"not json"[..], br#"{"id":"e1"}"#, b""] {
         let v = structured_event(body);
-        let mut s = Stream::new(cfg(INBOX));
+        let mut s = Machine::new(cfg(INBOX));
         s.on_request_headers(&v, false);
         let step = s.on_request_body(&v, body.len(), true);
         assert_eq!(respond_status(&step.effects), Some(400), "{body:?}");
         assert_eq!(step.action, Action::Pause);
-        let mut s = Stream::new(cfg(INBOX_PASS));
+        let mut s = Machine::new(cfg(INBOX_PASS));
         s.on_request_headers(&v, false);
         assert_eq!(
             s.on_request_body(&v, body.len(), true),
@@ -1154,7 +1154,7 @@ fn inbox_missing_id_is_rejected_or_passed() {
         assert_eq!(s.on_stream_end(), vec![]);
     }
     // A structured event without a body ends at its headers.
-    let mut s = Stream::new(cfg(INBOX_PASS));
+    let mut s = Machine::new(cfg(INBOX_PASS));
     assert_eq!(
         s.on_request_headers(&structured_event(b""), true),
         Step::go(vec![Effect::Count(Metric::Passthrough)])
@@ -1162,7 +1162,7 @@ fn inbox_missing_id_is_rejected_or_passed() {
     // A batch is not supported: a missing id.
     let mut v = binary_event("e1", "/src");
     v.req("content-type", "application/cloudevents-batch+json");
-    assert_eq!(respond_status(&Stream::new(cfg(INBOX)).on_request_headers(&v, false).effects), Some(400));
+    assert_eq!(respond_status(&Machine::new(cfg(INBOX)).on_request_headers(&v, false).effects), Some(400));
 }
 
 #[test]
@@ -1173,7 +1173,7 @@ fn inbox_malformed_ids_get_400_even_with_pass() {
         v.req("ce-id", "b");
         v
     }] {
-        let mut s = Stream::new(cfg(INBOX_PASS));
+        let mut s = Machine::new(cfg(INBOX_PASS));
         let step = s.on_request_headers(&v, false);
         assert_eq!(respond_status(&step.effects), Some(400));
         let Some(Effect::Respond(r)) = step.effects.first() else { panic!() };
@@ -1182,7 +1182,7 @@ fn inbox_malformed_ids_get_400_even_with_pass() {
     }
     let body = br#"{"id":17,"source":"/src"}"#;
     let v = structured_event(body);
-    let mut s = Stream::new(cfg(INBOX_PASS));
+    let mut s = Machine::new(cfg(INBOX_PASS));
     s.on_request_headers(&v, false);
     assert_eq!(respond_status(&s.on_request_body(&v, body.len(), true).effects), Some(400));
 }
@@ -1190,12 +1190,12 @@ fn inbox_malformed_ids_get_400_even_with_pass() {
 #[test]
 fn inbox_oversized_bodies_get_413() {
     let v = structured_event(&[b' '; 101]);
-    let mut s = Stream::new(cfg(INBOX));
+    let mut s = Machine::new(cfg(INBOX));
     s.on_request_headers(&v, false);
     assert_eq!(respond_status(&s.on_request_body(&v, 101, false).effects), Some(413));
     let mut v = structured_event(b"{}");
     v.req("content-length", "101");
-    assert_eq!(respond_status(&Stream::new(cfg(INBOX)).on_request_headers(&v, false).effects), Some(413));
+    assert_eq!(respond_status(&Machine::new(cfg(INBOX)).on_request_headers(&v, false).effects), Some(413));
 }
 
 #[test]
@@ -1254,7 +1254,7 @@ fn inbox_duplicates_replay_or_get_the_configured_status() {
         body: b"{\"ok\":true}".to_vec(),
         ..Record::default()
     };
-    let mut s = Stream::new(cfg(INBOX));
+    let mut s = Machine::new(cfg(INBOX));
     s.on_request_headers(&binary_event("e1", "/src"), true);
     let effects = s.on_begin_answer(Ok(BeginAnswer::Replay(record.clone())));
     let [Effect::Respond(r), Effect::Count(Metric::Replayed)] = effects.as_slice() else {
@@ -1264,7 +1264,7 @@ fn inbox_duplicates_replay_or_get_the_configured_status() {
     assert!(r.headers.contains(&("x-idempotent-replay".into(), "true".into())));
 
     let ds = r#","mode":"inbox","inbox":{"duplicate_status":200}"#;
-    let mut s = Stream::new(cfg(ds));
+    let mut s = Machine::new(cfg(ds));
     s.on_request_headers(&binary_event("e1", "/src"), true);
     let effects = s.on_begin_answer(Ok(BeginAnswer::Replay(record)));
     let [Effect::Respond(r), Effect::Count(Metric::Replayed)] = effects.as_slice() else {
@@ -1285,7 +1285,7 @@ fn inbox_duplicates_replay_or_get_the_configured_status() {
     assert_eq!(committed_record(&s.on_response_headers(&v, false).effects).body, b"");
 
     // In flight after the wait: 409 in the inbox's words.
-    let mut s = Stream::new(cfg(INBOX));
+    let mut s = Machine::new(cfg(INBOX));
     s.on_request_headers(&binary_event("e1", "/src"), true);
     let effects = s.on_begin_answer(Ok(BeginAnswer::Busy { lock_ms: None }));
     let [Effect::Respond(r), Effect::Count(Metric::Conflicted)] = effects.as_slice() else {
@@ -1302,7 +1302,7 @@ fn inbox_store_key_header_and_detached_execution_follow_a_body_id() {
     let mut v = structured_event(body);
     v.req("x-store-key", "forged");
     v.prop("xds.cluster_name", "app");
-    let mut s = Stream::new(cfg(extra));
+    let mut s = Machine::new(cfg(extra));
     let step = s.on_request_headers(&v, false);
     assert_eq!(step.effects, vec![Effect::RemoveRequestHeader("x-store-key".into())]);
     let step = s.on_request_body(&v, body.len(), true);
@@ -1360,7 +1360,7 @@ fn inbox_random_event_sequences_keep_the_invariants() {
                     0 => Ok(BeginAnswer::Busy { lock_ms: None }),
                     1 => Ok(BeginAnswer::Replay(Record::status_only(200))),
                     2 => Err(CalloutFault::Reset),
-                    _ => Ok(BeginAnswer::Locked { token: String::new() }),
+                    _ => Ok(BeginAnswer::Locked { token: "".into() }),
                 }),
                 4 => {
                     let mut headers = vec![(

@@ -1,6 +1,7 @@
 use super::*;
-use crate::sim::worker::{Rng, SimEnv, Tally, World};
 use crate::sim::request::MockView;
+use crate::sim::worker::{Rng, SimEnv, Tally, World};
+use crate::store::record::Record;
 use idem_protocol as proto;
 
 const T0: u64 = 1_700_000_000_000_000;
@@ -221,7 +222,7 @@ fn a_batch_that_fails_as_a_whole_fails_each_commit_once_and_the_breaker_hears_it
     let tokens: Vec<&str> = retries.iter().map(|d| header(d, proto::HEADER_TOKEN)).collect();
     assert_eq!(tokens, ["tok3", "tok4"]);
     assert!(retries.iter().all(|d| path(d) == proto::PATH_COMMIT));
-    assert!(c.breaker.is_closed());
+    assert!(c.path.breaker_is_closed());
 }
 
 #[test]
