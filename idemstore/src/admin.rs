@@ -14,6 +14,12 @@
 //! has one (`401` before anything else, [`crate::http`]). A store key must be 64 lowercase hex
 //! characters, a prefix 8 to 64: else `400`. A record's bytes never leave the store here (the
 //! answer may carry personal data): only its status, size, lifetime and request body hash.
+//!
+//! Owns these routes' paths, handlers and reports, and the lookups behind them ([`lookup`],
+//! [`delete`], [`find`], [`counts`]), which `idemstore records` also runs straight on a backend
+//! ([`crate::tools`]). Uses [`crate::backend`], [`crate::store`] and [`crate::error`] (the
+//! failure answers it shares with the protocol's routes); never [`crate::http`], which mounts
+//! the routes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +31,7 @@ use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, Inspection, Result};
-use crate::http::{refused, Error};
+use crate::error::{refused, Error};
 use crate::store::Store;
 
 /// `GET` / `DELETE` `PATH_RECORDS/<store key>`, and `GET PATH_RECORDS?prefix=<hex>`.

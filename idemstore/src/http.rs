@@ -26,6 +26,11 @@
 //! in `idemstore_requests_total` and `idemstore_request_duration_seconds` (see
 //! [`crate::metrics`]), served by `GET /metrics` on the same listener. Each item of a `commits`
 //! counts there as the `commit` it stands for.
+//!
+//! Owns the router ([`router`]), the secret check ([`SecretCheck`]) and the protocol's handlers.
+//! Uses [`crate::admin`] (the operator's routes it mounts), [`crate::error`] (the failure
+//! answers), [`crate::store`], [`crate::metrics`], [`crate::secret`] and [`crate::backend`];
+//! nothing uses it but the binary and the tests.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -44,6 +49,7 @@ use idem_protocol as proto;
 
 use crate::admin;
 use crate::backend::{Backend, BackendError};
+use crate::error::{refused, Error};
 use crate::metrics::{self, Op, Outcome, Rejection};
 use crate::secret::Secret;
 use crate::store::{Begin, Store};
@@ -182,62 +188,6 @@ pub fn router<B: Backend>(store: Arc<Store<B>>, options: Options) -> Router {
         Some(secret) => router.layer(middleware::from_fn_with_state(Gate { secret, store }, authorize::<B>)),
         None => router,
     }
-}
-
-/// Every failure the filter can see: it treats any non-200 as a store fault.
-#[derive(Debug)]
-pub enum Error {
-    /// `400`, before the backend.
-    BadRequest(String),
-    /// The body could not be read within its limit: `413` past it, else `400`.
-    Body(BytesRejection),
-    /// `503`.
-    Backend(BackendError),
-}
-
-impl From<BackendError> for Error {
-    fn from(e: BackendError) -> Self {
-        Self::Backend(e)
-    }
-}
-
-impl From<BytesRejection> for Error {
-    fn from(e: BytesRejection) -> Self {
-        Self::Body(e)
-    }
-}
-
-impl Error {
-    /// Why the request was refused before the backend, if it was.
-    fn rejection(&self) -> Option<Rejection> {
-        match self {
-            Self::BadRequest(_) => Some(Rejection::Invalid),
-            Self::Body(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Some(Rejection::TooLarge),
-            Self::Body(_) => Some(Rejection::Invalid),
-            Self::Backend(_) => None,
-        }
-    }
-}
-
-impl IntoResponse for Error {
-    fn into_response(self) -> Response {
-        match self {
-            Self::BadRequest(why) => (StatusCode::BAD_REQUEST, why).into_response(),
-            Self::Body(e) => e.into_response(),
-            Self::Backend(e) => {
-                tracing::warn!(error = %e, "store operation failed");
-                (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
-            }
-        }
-    }
-}
-
-/// Answers a request refused before the backend, counting it.
-pub(crate) fn refused<B: Backend>(store: &Store<B>, e: Error) -> Response {
-    if let Some(reason) = e.rejection() {
-        store.metrics().reject(reason);
-    }
-    e.into_response()
 }
 
 /// The single value of header `name`; missing or repeated is a bad request.

@@ -2,9 +2,27 @@
 //!
 //! The HTTP layer ([`http`]) speaks the wire protocol of `idem-protocol`; [`store::Store`]
 //! adds the server-side long-poll on top of one atomic [`backend::Backend`] attempt.
+//!
+//! | module | owns | uses |
+//! |---|---|---|
+//! | [`http`] | the router: the protocol's routes, `/healthz`, `/metrics`, the secret check, header and body validation | `admin`, `error`, `store`, `metrics`, `secret`, `backend` |
+//! | [`tools`] | `idemstore records`: the operator's command line, on Redis (Cluster) directly or through `admin`'s routes | `admin`, `secret`, `backend` |
+//! | [`admin`] | the operator's routes under `/v1/admin/`, and the lookups and reports `idemstore records` shares with them | `error`, `store`, `backend` |
+//! | [`error`] | what a route answers when it fails, and the count of refusals | `store`, `metrics`, `backend` |
+//! | [`store`] | the protocol's operations over a backend, with the `begin` long-poll | `backend`, `metrics`, `waiters` |
+//! | [`metrics`] | the Prometheus metrics of one instance | `backend` |
+//! | [`backend`] | the [`backend::Backend`] interface and its implementations: [`backend::memory`], [`backend::redis`] with [`backend::pubsub`] | `waiters` |
+//! | [`waiters`] | per-key wake-ups for `begin` calls waiting on a held lock | nothing |
+//! | [`secret`] | the shared secret: its form, its file, constant-time comparison | nothing |
+//!
+//! Each module uses only modules below it in this table: the uses go one way, with no circle
+//! (in [`backend`], `redis` uses `pubsub`, and both implementations use the interface in
+//! `backend` itself, which uses none of them). The binary (`main.rs`) uses `http`, `tools`,
+//! `store`, `backend` and `secret`.
 
 pub mod admin;
 pub mod backend;
+pub mod error;
 pub mod http;
 pub mod metrics;
 pub mod secret;

@@ -1,6 +1,9 @@
 //! `idemstore` command line: picks a backend, serves HTTP/1.1 and h2c until SIGTERM/ctrl-c:
 //! the protocol, `GET /healthz` and `GET /metrics` (Prometheus), all on the one `--listen`
 //! address. `idemstore records ...` runs the operator's tools instead ([`idemstore::tools`]).
+//!
+//! Owns the flags and the process (runtime, listener, signals, the in-memory sweeper); uses the
+//! library's `http`, `tools`, `store`, `backend` and `secret`.
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -57,7 +60,8 @@ struct Cli {
     #[arg(long, env = "IDEMSTORE_REDIS_TIMEOUT_MS", default_value_t = 1000)]
     redis_timeout_ms: u64,
 
-    /// Largest accepted request body (a record to commit); larger ones get 413.
+    /// Largest accepted request body (a record to commit, or a batch of them); larger ones get
+    /// 413.
     #[arg(long, env = "IDEMSTORE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
     max_body_bytes: usize,
 
@@ -71,8 +75,8 @@ struct Cli {
     #[arg(long, env = "IDEMSTORE_MEMORY_MAX_BYTES", default_value_t = memory::DEFAULT_MAX_BYTES)]
     memory_max_bytes: usize,
 
-    /// Shared secret every request but GET /healthz must carry in x-idem-secret (else 401):
-    /// 1 to 256 visible ASCII characters. Visible to other local users in the process list:
+    /// Shared secret every request but GET /healthz and GET /metrics must carry in x-idem-secret
+    /// (else 401): 1 to 256 visible ASCII characters. Visible to other local users in the process list:
     /// prefer --secret-file or the environment variable.
     #[arg(long, env = "IDEMSTORE_SECRET", value_name = "SECRET", hide_env_values = true)]
     secret: Option<RawSecret>,

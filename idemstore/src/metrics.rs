@@ -17,6 +17,9 @@
 //! Every series a request can touch is created when the store is, and its handle kept: the
 //! hot path adds to an atomic (a histogram takes a short mutex), never builds or looks up a
 //! label set, and every series is exported from the start, at zero.
+//!
+//! Uses only [`crate::backend`] (a backend error's reason, the in-memory backend's usage); the
+//! store owns one [`Metrics`], the HTTP layer counts and times requests through it.
 
 use std::time::{Duration, Instant};
 
@@ -186,7 +189,7 @@ struct OpSeries {
 
 impl OpSeries {
     fn count(&self, outcome: Outcome) {
-        // At most six entries: cheaper than any map, and nothing to allocate.
+        // At most seven entries (`begin`'s): cheaper than any map, and nothing to allocate.
         if let Some((_, counter)) = self.outcomes.iter().find(|(o, _)| *o == outcome) {
             counter.inc();
         }

@@ -4,6 +4,9 @@
 //! lock, store a record under any key (which every later retry of that key replays) and read
 //! the record of a key it knows. Listening on loopback is the first fence; the secret is the
 //! second, for stores that Envoy reaches over a network.
+//!
+//! Owns the secret's form (the protocol's rule, `idem_protocol::is_secret`), its reading from a
+//! file and its constant-time comparison; uses no other module of idemstore.
 
 use std::fmt;
 use std::path::Path;

@@ -1,4 +1,11 @@
-//! The three operations as the HTTP layer sees them: a backend plus the `begin` long-poll.
+//! The protocol's store operations as the HTTP layer calls them: [`Store::begin`] (and
+//! [`Store::begin_until`]), [`Store::commit`] and [`Store::release`], plus [`Store::health`],
+//! over one backend, with the `begin` long-poll: a lock held elsewhere is waited on, woken by
+//! [`Waiters`] and re-checked with backoff. A `commits` call is one [`Store::commit`] per item
+//! (the HTTP layer's loop); the operator's lookups and deletes go to [`Store::backend`] directly.
+//!
+//! Owns the lock tokens ([`new_token`]), the waiters and the metrics of one instance; uses
+//! [`crate::backend`], [`crate::metrics`] and [`crate::waiters`], never the HTTP layer.
 
 use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -7,6 +7,9 @@
 //!
 //! Exit status: 0 found (and deleted), 1 nothing found (and nothing deleted), 2 anything else
 //! (a usage error, a store that cannot be reached, a refused secret).
+//!
+//! Uses [`crate::admin`] (the lookups, on a backend, and the reports, from the routes),
+//! [`crate::backend`] (Redis) and [`crate::secret`]; never the HTTP server.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;

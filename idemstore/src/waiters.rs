@@ -1,9 +1,12 @@
 //! Per-key wake-ups for `begin` calls waiting on a held lock.
 //!
-//! Commits and releases through this process ring at once. On Redis, those through other
-//! instances ring too, by pub/sub ([`crate::backend::pubsub`]); whatever is missed (the
-//! subscription down, the in-memory backend shared by clones in tests) is caught by the
-//! bounded re-check in [`crate::store::Store::begin`].
+//! Commits, releases and operator deletes through this process ring at once. On Redis, those
+//! through other instances ring too, by pub/sub ([`crate::backend::pubsub`]); whatever is
+//! missed (the subscription down, the in-memory backend shared by clones in tests) is caught by
+//! the bounded re-check in [`crate::store::Store::begin`].
+//!
+//! Uses no other module of idemstore: the store and the operator's delete route ring it, and
+//! the backends forward other instances' wake-ups to it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

@@ -1,12 +1,14 @@
 //! The wire protocol between the filter and `idemstore`.
 //!
-//! Three operations, each one HTTP/1.1 or h2c `POST` round trip. Small scalars travel in
-//! headers; the only large value, the stored response, travels raw in the body (never base64).
-//! The record body is opaque to the store: it keeps the bytes the filter sent and returns them.
+//! Four operations, each one HTTP/1.1 or h2c `POST` round trip: `begin`, `commit`, `release`
+//! and `commits` (many `commit`s in one call); the store's health check, `GET /healthz`
+//! ([`PATH_HEALTH`]), is not one of them. Small scalars travel in headers; the only large value,
+//! the stored response, travels raw in the body (never base64). The record body is opaque to
+//! the store: it keeps the bytes the filter sent and returns them.
 //!
 //! | operation | request headers | request body | answer (`200`, outcome header) | answer body |
 //! |---|---|---|---|---|
-//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms | none | `record` (+ttl-ms), `locked` (+token), `busy` (+lock-remaining-ms), `mismatch` | the record for `record` |
+//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms, deadline-ms (optional) | none | `record` (+ttl-ms), `locked` (+token), `busy` (+lock-remaining-ms), `mismatch`, `expired` | the record for `record` |
 //! | `POST /v1/commit` | key, token, body-hash, retention-s | the record | `stored`, `late`, `exists` | none |
 //! | `POST /v1/release` | key, token | none | `released`, `not-owner` | none |
 //! | `POST /v1/commits` | retention-s | 1 to [`MAX_BATCH_ITEMS`] commits ([`encode_batch_item`]) | `batch` | one outcome per line, in order ([`BATCH_FAILED`] for one not done) |
@@ -24,7 +26,8 @@
 //! repeated or malformed one is a `400` that names the header.
 //!
 //! The store key itself, how the filter derives it from the request ([`store_key`]), lives
-//! here too, so that idemstore's operator tools derive the same key ([`key`]).
+//! here too, so that idemstore's operator tools derive the same key ([`key`]). That module uses
+//! nothing of this root, which re-exports it: the uses go one way.
 
 pub mod key;
 
@@ -328,6 +331,8 @@ mod tests {
         assert!(is_hex64(&[b'a'; 64]));
         assert!(!is_hex64(&[b'A'; 64]));
         assert!(!is_hex64(&[b'a'; 63]));
+        // The store key (see `key`) always has that form.
+        assert!(is_hex64(store_key("s", "POST", "r", "k").as_bytes()));
         assert!(is_token(b"abc-DEF_1"));
         assert!(!is_token(b""));
         assert!(!is_token(b"a b"));

@@ -25,6 +25,8 @@
 //! holding a lock can still commit, provided its record fits in `max_bytes` (else its commit
 //! fails, the filter releases the lock, and the next retry runs again, counted on
 //! `commit_failed`).
+//!
+//! Uses only the backend interface ([`crate::backend`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};

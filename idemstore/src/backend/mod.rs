@@ -1,5 +1,11 @@
 //! Storage backends. Each operation is one atomic step; waiting for a held lock is the
 //! caller's business ([`crate::store::Store`]), so every backend gets the same long-poll.
+//!
+//! Owns the [`Backend`] interface and what its operations answer ([`Attempt`],
+//! [`BackendError`], the operator's [`Inspection`], [`Deleted`] and [`Counts`]), and reads a
+//! record's status ([`record_status`]). The implementations are [`memory`] and [`redis`] (with
+//! [`pubsub`], its wake-ups across instances); they use this interface, which uses none of
+//! them. Uses only [`crate::waiters`], where a backend forwards other instances' wake-ups.
 
 use std::future::Future;
 use std::sync::Weak;
@@ -114,8 +120,8 @@ pub const RECORD_HEAD_BYTES: usize = 6;
 
 /// The status of the answer a record holds, from its first [`RECORD_HEAD_BYTES`]: the store
 /// keeps records as opaque bytes, but every form the filter writes (`IDR1`, `IDR2`; see the
-/// filter's `src/record.rs`) starts with a 4-byte magic and the status as a big-endian `u16`.
-/// `None` for anything else.
+/// filter's `src/store/record.rs`) starts with a 4-byte magic and the status as a big-endian
+/// `u16`. `None` for anything else.
 pub fn record_status(head: &[u8]) -> Option<u16> {
     match head {
         [b'I', b'D', b'R', b'1' | b'2', hi, lo, ..] => Some(u16::from_be_bytes([*hi, *lo])),

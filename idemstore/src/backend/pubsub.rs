@@ -1,10 +1,10 @@
 //! Wake-ups across idemstore instances, over Redis pub/sub.
 //!
-//! The commit and release scripts `PUBLISH` the store key on [`CHANNEL`] whenever they drop a
-//! lock or store a record. Every instance keeps one connection subscribed to that channel and
-//! rings its local [`Waiters`] for each key it hears: a map lookup, nothing to do when nobody
-//! here waits on that key. One channel for all keys keeps the subscription O(1) per instance,
-//! whatever the number of keys in flight.
+//! The commit, release and delete scripts `PUBLISH` the store key on [`CHANNEL`] whenever they
+//! drop a lock or store (or delete) a record of a key someone waits on. Every instance keeps
+//! one connection subscribed to that channel and rings its local [`Waiters`] for each key it
+//! hears: a map lookup, nothing to do when nobody here waits on that key. One channel for all
+//! keys keeps the subscription O(1) per instance, whatever the number of keys in flight.
 //!
 //! On Redis Cluster a classic `PUBLISH`, from a script too, is broadcast over the cluster bus
 //! to every node, so a subscriber connected to any one node hears the wake-ups of all slots.
@@ -15,6 +15,8 @@
 //! falls between an attempt and the wait. While the subscription is down, waiters still make
 //! progress through their bounded re-check ([`crate::store::Store::begin`]); once it is back,
 //! every local waiter tries again, for whatever was published meanwhile.
+//!
+//! Started by [`super::redis`]; uses only [`crate::waiters`].
 
 use std::sync::Weak;
 use std::time::Duration;

@@ -1,8 +1,13 @@
-//! Redis backend, standalone or Cluster: the same three Lua scripts either way. A key's
-//! record (`idem:{<key>}:r`) and lock (`idem:{<key>}:l`) share a hash tag, so each script
-//! touches a single Cluster slot. Commits and releases also publish the key for waiters on
-//! other idemstore instances ([`super::pubsub`]), when a waiter has marked the key
-//! (`idem:{<key>}:w`): most keys are never waited on, and then cost no message.
+//! Redis backend, standalone or Cluster: the same five Lua scripts either way (`scripts/`):
+//! `begin.lua`, `commit.lua` and `release.lua` for the protocol's operations, `inspect.lua` and
+//! `delete.lua` for the operator's; counting and finding keys is a `SCAN` (of the server, or of
+//! every master), the health check a `PING`. A key's record (`idem:{<key>}:r`), lock (`idem:{<key>}:l`) and waiter
+//! mark (`idem:{<key>}:w`) share a hash tag, so each script touches a single Cluster slot.
+//! Commits, releases and deletes also publish the key for waiters on other idemstore instances
+//! ([`super::pubsub`]), when a waiter has marked the key: most keys are never waited on, and
+//! then cost no message.
+//!
+//! Uses the backend interface ([`crate::backend`]), [`super::pubsub`] and [`crate::waiters`].
 
 use std::sync::Weak;
 use std::time::Duration;
