@@ -14,10 +14,12 @@
 
 #![no_main]
 
-use idempotency_filter::config::{self, Config, Inbox, JsonPrint, MessageIdSource, Mode, Subject, TooLarge};
+use idempotency_filter::config::patterns::{MediaPattern, StatusSet};
+use idempotency_filter::config::values::{Inbox, JsonPrint, MessageIdSource, Mode, Subject, TooLarge};
+use idempotency_filter::config::{self, Config};
 use idempotency_filter::http::headers;
-use idempotency_filter::request::fingerprint::{json_body_hash, Digest32};
-use idempotency_filter::request::keep::{MediaPattern, StatusSet};
+use idempotency_filter::request::fingerprint::json_body_hash;
+use idempotency_filter::store::record::Digest32;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -58,13 +60,16 @@ fuzz_target!(|data: &[u8]| {
 
 fn check(c: &Config) {
     assert!(!c.store_cluster.is_empty());
-    assert!(config::STORE_TIMEOUT_MS.contains(&c.store_timeout_ms));
-    assert!(config::RETENTION_SECONDS.contains(&c.retention_seconds));
-    assert!(config::LOCK_TTL_MS.contains(&c.lock_ttl_ms));
-    assert!(config::LOCK_WAIT_MS.contains(&c.lock_wait_ms));
-    assert!(config::MAX_KEY_LENGTH.contains(&(c.max_key_length as u64)));
-    assert!(config::MAX_BODY_BYTES.contains(&(c.max_body_bytes as u64)));
-    assert!(config::MAX_RECORD_BYTES.contains(&(c.max_record_bytes as u64)));
+    let raw = serde_json::to_value(c.to_raw()).expect("serializes");
+    for key in config::SIMPLE_KEYS {
+        let value = raw.get(key.name).unwrap_or_else(|| panic!("{} missing from to_raw", key.name));
+        match &key.range {
+            Some(range) => {
+                assert!(value.as_u64().is_some_and(|n| range.contains(&n)), "{}: {value}", key.name)
+            }
+            None => assert!(value.is_boolean(), "{}: {value}", key.name),
+        }
+    }
     assert!((1..=c.lock_ttl_ms).contains(&c.detached_timeout_ms), "a detached call outlives its lock");
     assert!(!c.methods.is_empty());
     for m in &c.methods {
@@ -96,7 +101,7 @@ fn check(c: &Config) {
             MessageIdSource::JsonPointer(p) => assert!(p.starts_with('/'), "{p:?}"),
         }
         if let Some(s) = duplicate_status {
-            assert!(config::DUPLICATE_STATUS.contains(&u64::from(*s)), "{s}");
+            assert!(config::values::DUPLICATE_STATUS.contains(&u64::from(*s)), "{s}");
         }
         if c.store_key_header.is_some() && !c.pause_on_headers {
             assert!(!message_id.may_need_body(), "a body id cannot set a header that has gone on");

@@ -21,9 +21,9 @@ use arbitrary::Arbitrary;
 use fuzz_common::{ArbRecord, Bytes, Digest, Name, Status};
 use idempotency_filter::config::Config;
 use idempotency_filter::request::detached::UpstreamAnswer;
-use idempotency_filter::request::fingerprint::RequestPrint;
 use idempotency_filter::sim::request::{Driver, Event, MockView};
 use idempotency_filter::store::client::{BeginAnswer, CalloutFault};
+use idempotency_filter::store::record::RequestPrint;
 use libfuzzer_sys::fuzz_target;
 
 const MAX_EVENTS: usize = 48;

@@ -4,8 +4,8 @@
 
 use arbitrary::Arbitrary;
 use idempotency_filter::config::MAX_FINGERPRINT_HEADERS;
-use idempotency_filter::request::fingerprint::{Digest32, RequestPrint};
 use idempotency_filter::store::record::Record;
+use idempotency_filter::store::record::{Digest32, RequestPrint};
 
 /// A header name: mostly one the filter cares about, sometimes anything.
 #[derive(Arbitrary, Debug, Clone)]

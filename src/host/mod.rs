@@ -16,7 +16,8 @@ use std::time::Duration;
 use crate::config::Config;
 use crate::request::machine::{Action, Machine, Step, StreamView};
 use crate::request::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY};
-use crate::worker::coordinator::{Command, Coordinator, Stepped};
+use crate::worker::command::Command;
+use crate::worker::coordinator::{Coordinator, Stepped};
 use crate::worker::env::Clock;
 use crate::worker::env::SharedData;
 

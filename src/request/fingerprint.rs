@@ -16,18 +16,8 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use std::fmt;
 
-use crate::config::JsonPrint;
-
-pub type Digest32 = [u8; 32];
-
-/// The parts of a request that are not its body, as digests.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RequestPrint {
-    /// Method and path with query.
-    pub target: Digest32,
-    /// Each fingerprinted header (lower-case name) and the digest of all its values.
-    pub headers: Vec<(String, Digest32)>,
-}
+use crate::config::values::JsonPrint;
+use crate::store::record::{Digest32, RequestPrint};
 
 /// Which part of a request differed from the one a record was made for.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -16,7 +16,7 @@
 use serde_json::Value;
 use std::fmt;
 
-use crate::config::MessageIdSource;
+use crate::config::values::MessageIdSource;
 use crate::http::headers::MediaType;
 
 pub const STRUCTURED: &str = "application/cloudevents+json";

@@ -9,10 +9,10 @@
 
 use crate::config::Config;
 use crate::http::headers;
-use crate::request::fingerprint::RequestPrint;
 use crate::request::metrics::Metric;
 use crate::request::problem::{self, LocalResponse};
 use crate::store::record::Record;
+use crate::store::record::RequestPrint;
 
 /// The answer for a retry whose request has `print` and these `accept-encoding` values, and the
 /// counter it goes on.

@@ -35,7 +35,8 @@ use crate::sim::memory::MemoryData;
 use crate::sim::request::MockView;
 use crate::store::client::StoreCall;
 use crate::store::record::Record;
-use crate::worker::coordinator::{Command, Coordinator, Dispatch, Stepped};
+use crate::worker::command::{Command, Dispatch};
+use crate::worker::coordinator::{Coordinator, Stepped};
 use crate::worker::env::Clock;
 use crate::worker::env::SharedData;
 
@@ -942,7 +943,7 @@ impl World {
         }
         self.executions += 1;
         self.tally.executions += 1;
-        let print = crate::request::fingerprint::RequestPrint::of(b"POST", b"/orders?x=1", &[], &|_| vec![]);
+        let print = crate::store::record::RequestPrint::of(b"POST", b"/orders?x=1", &[], &|_| vec![]);
         let record = Record {
             status: 201,
             headers: vec![("content-type".into(), "text/plain".into())],

@@ -18,7 +18,6 @@
 
 use crate::config::MAX_FINGERPRINT_HEADERS;
 use crate::http::headers;
-use crate::request::fingerprint::RequestPrint;
 
 const MAGIC: &[u8; 4] = b"IDR2";
 const MAGIC_V1: &[u8; 4] = b"IDR1";
@@ -26,6 +25,18 @@ const FLAG_BODY_OMITTED: u8 = 1;
 const FLAG_PRINT: u8 = 2;
 pub const MAX_HEADERS: usize = 64;
 pub const MAX_HEADER_VALUE: usize = 16 * 1024;
+
+pub type Digest32 = [u8; 32];
+
+/// The parts of a request that are not its body, as digests (computed and compared by
+/// `request::fingerprint`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestPrint {
+    /// Method and path with query.
+    pub target: Digest32,
+    /// Each fingerprinted header (lower-case name) and the digest of all its values.
+    pub headers: Vec<(String, Digest32)>,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Record {

@@ -16,7 +16,7 @@ use std::rc::Rc;
 use crate::config::Config;
 use crate::request::detached::UpstreamCall;
 use crate::store::client::{self, StoreCall};
-use crate::worker::coordinator::{Command, Dispatch};
+use crate::worker::command::{Command, Dispatch};
 use crate::worker::env::Clock;
 
 /// A callout on behalf of a stream (which may be gone by the time it answers), or of the

@@ -23,75 +23,12 @@ use crate::config::Config;
 use crate::request::detached::UpstreamAnswer;
 use crate::request::machine::{Action, Effect, Machine, Step, StreamView};
 use crate::request::metrics::Metric;
-use crate::request::problem::LocalResponse;
 use crate::store::client::{Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
 use crate::worker::callouts::{key_prefix, Call, Callback, Callouts, Job};
+use crate::worker::command::Command;
 use crate::worker::env::Env;
 use crate::worker::fallback::Outcome;
 use crate::worker::store_path::{Presence, Routed, StorePath};
-
-/// What the host does, in the order [`Coordinator::poll`] returns it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Command {
-    /// Answer the client instead of the upstream. On failure, tell
-    /// [`Coordinator::on_respond_failed`].
-    Respond {
-        stream: u32,
-        response: LocalResponse,
-    },
-    /// Let the paused request go on to the upstream.
-    Resume {
-        stream: u32,
-    },
-    /// Only in the stream's own request-header callback.
-    SetRequestHeader {
-        stream: u32,
-        name: String,
-        value: String,
-    },
-    RemoveRequestHeader {
-        stream: u32,
-        name: String,
-    },
-    /// Set the filter state the access log reads (`metrics::OUTCOME_PROPERTY`).
-    Outcome {
-        stream: u32,
-        outcome: &'static str,
-    },
-    Count(Metric),
-    /// Add `n` to a counter.
-    Add {
-        metric: Metric,
-        n: u64,
-    },
-    /// Set the gauge of local records (`metrics::LOCAL_RECORDS`).
-    LocalRecords(u64),
-    /// Call [`Coordinator::on_tick`] every this many milliseconds (0: stop).
-    Tick {
-        period_ms: u64,
-    },
-    /// A store call's latency, for its histogram.
-    Latency {
-        kind: CallKind,
-        micros: u64,
-    },
-    /// Enqueue on the worker's shared queue, so that the root's [`Coordinator::on_queue_ready`]
-    /// runs; on failure, tell [`Coordinator::on_wake_failed`]. Only in stream callbacks.
-    Wake,
-    /// Send a callout from the root context and tell [`Coordinator::on_dispatched`] its token.
-    Dispatch(Dispatch),
-}
-
-/// A callout to send.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Dispatch {
-    pub job: u64,
-    pub cluster: String,
-    /// Pseudo-headers first.
-    pub headers: Vec<(String, String)>,
-    pub body: Option<Vec<u8>>,
-    pub timeout_ms: u64,
-}
 
 /// What a stream callback returns to Envoy, and whether the stream's later callbacks can skip
 /// the coordinator (the machine is done with it).

@@ -17,7 +17,8 @@
 
 use std::collections::HashMap;
 
-use crate::config::{Config, FailureMode};
+use crate::config::values::FailureMode;
+use crate::config::Config;
 use crate::request::metrics::Metric;
 use crate::store::client::{BeginAnswer, CalloutFault, LockToken};
 use crate::store::record::Record;

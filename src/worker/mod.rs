@@ -8,6 +8,7 @@
 
 pub mod breaker;
 pub mod callouts;
+pub mod command;
 pub mod coordinator;
 pub mod env;
 pub mod fallback;

@@ -16,7 +16,7 @@ use crate::request::metrics::Metric;
 use crate::store::client::{BeginAnswer, CalloutFault, LockToken, StoreCall};
 use crate::store::record::Record;
 use crate::worker::breaker::{Breaker, Gate};
-use crate::worker::coordinator::Command;
+use crate::worker::command::Command;
 use crate::worker::env::{Clock, Env};
 use crate::worker::fallback::{Fallback, Outcome, HAND_BACK_TOKEN};
 use crate::worker::record_cache::{Cached, RecordCache};

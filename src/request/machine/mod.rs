@@ -30,10 +30,11 @@
 use sha2::{Digest, Sha256};
 use std::rc::Rc;
 
-use crate::config::{Config, FailureMode, MissingId, Subject};
+use crate::config::values::{FailureMode, MissingId, Subject};
+use crate::config::Config;
 use crate::http::headers;
 use crate::request::detached::{self, UpstreamAnswer, UpstreamCall};
-use crate::request::fingerprint::{self, RequestPrint};
+use crate::request::fingerprint;
 use crate::request::inbox::{self, AtHeaders, IdError, MessageId};
 use crate::request::keep::{self, Head, Keep};
 use crate::request::key;
@@ -41,6 +42,7 @@ use crate::request::metrics::Metric;
 use crate::request::problem::{self, LocalResponse};
 use crate::request::replay;
 use crate::store::client::{BeginAnswer, CalloutFault, LockToken, StoreCall};
+use crate::store::record::RequestPrint;
 use crate::store::record::{self, Record};
 
 /// What the machine may read from the host, lazily: a request that is not guarded costs one

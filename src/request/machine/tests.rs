@@ -733,7 +733,7 @@ fn random_event_sequences_keep_the_invariants() {
                         headers: vec![("content-encoding".into(), "gzip".into())],
                         body: b"x".to_vec(),
                         body_omitted: false,
-                        print: Some(crate::request::fingerprint::RequestPrint {
+                        print: Some(crate::store::record::RequestPrint {
                             target: [next(2) as u8; 32],
                             headers: vec![],
                         }),

@@ -2,6 +2,7 @@ use super::*;
 use crate::sim::request::MockView;
 use crate::sim::worker::{Rng, SimEnv, Tally, World};
 use crate::store::record::Record;
+use crate::worker::command::Dispatch;
 use idem_protocol as proto;
 
 const T0: u64 = 1_700_000_000_000_000;

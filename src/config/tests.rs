@@ -1,0 +1,440 @@
+use super::*;
+
+fn parse(s: &str) -> Result<Config, ConfigError> {
+    Config::from_json(s.as_bytes())
+}
+
+#[test]
+fn defaults() {
+    let c = parse(r#"{"store_cluster":"idemstore"}"#).unwrap();
+    assert_eq!(c.store_timeout_ms, 1000);
+    assert_eq!(c.retention_seconds, 86_400);
+    assert_eq!(c.lock_ttl_ms, 30_000);
+    assert_eq!(c.lock_wait_ms, 5_000);
+    assert_eq!(c.methods, ["POST", "PATCH"]);
+    assert!(!c.require_key);
+    assert_eq!(c.max_key_length, 255);
+    assert_eq!(c.max_body_bytes, 1_048_576);
+    assert_eq!(c.max_record_bytes, 1_048_576);
+    assert_eq!(c.replay_header, "x-idempotent-replay");
+    assert_eq!(c.replay_headers, ["content-type", "location"]);
+    assert_eq!(c.subject, Subject::ClientIp);
+    assert_eq!(c.failure_mode, FailureMode::Open);
+    assert!(!c.detached_execution);
+    assert_eq!(c.detached_timeout_ms, 15_000);
+    assert_eq!(c.store_key_header, None);
+    assert!(c.pause_on_headers);
+    assert_eq!(c.mode, Mode::IdempotencyKey);
+    assert_eq!(c.inbox(), None);
+    assert!(!parse(r#"{"store_cluster":"s","pause_on_headers":false}"#).unwrap().pause_on_headers);
+    assert!(parse(r#"{"store_cluster":"s","pause_on_headers":"no"}"#).is_err());
+    assert_eq!((c.record_cache_entries, c.record_cache_bytes), (1024, 4 * 1024 * 1024));
+    let off = parse(r#"{"store_cluster":"s","record_cache_entries":0}"#).unwrap();
+    assert_eq!(off.record_cache_entries, 0);
+    assert!(parse(r#"{"store_cluster":"s","record_cache_entries":100001}"#).is_err());
+    assert!(parse(r#"{"store_cluster":"s","record_cache_bytes":-1}"#).is_err());
+    let short_ttl = parse(r#"{"store_cluster":"s","lock_ttl_ms":5000}"#).unwrap();
+    assert_eq!(short_ttl.detached_timeout_ms, 5_000, "the default is bounded by the TTL");
+    assert!(c.fingerprint_headers.is_empty());
+    assert_eq!(c.fingerprint_json, None);
+    assert_eq!(c.store_statuses.entries(), ["2xx"]);
+    assert_eq!(c.store_content_types, None);
+    assert_eq!(c.record_too_large, TooLarge::OmitBody);
+    assert_eq!(c.body_omitted_header, "x-idempotent-body-omitted");
+    assert_eq!(parse(r#"{"store_cluster":"s","lock_wait_ms":0}"#).unwrap().lock_wait_ms, 0);
+    assert_eq!((c.breaker_failures, c.breaker_open_ms), (3, 500));
+    let off = parse(r#"{"store_cluster":"s","breaker_open_ms":0,"breaker_failures":1}"#).unwrap();
+    assert_eq!((off.breaker_failures, off.breaker_open_ms), (1, 0));
+    assert!(c.local_fallback);
+    assert_eq!((c.local_record_entries, c.local_record_bytes), (100_000, 64 * 1024 * 1024));
+}
+
+#[test]
+fn written_back_it_is_the_same_configuration() {
+    for json in [
+        r#"{"store_cluster":"s"}"#,
+        r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f","path":["a","b"]}},"failure_mode":"closed",
+                "store_secret":"s3cret!","fingerprint_headers":["x-t"],"fingerprint_json":{"ignore":["/a"]},
+                "store_statuses":["2xx","404"],"store_content_types":["+json"],"record_too_large":"release",
+                "lock_wait_ms":0,"store_key_header":"x-k","detached_execution":true,
+                "breaker_failures":10,"breaker_open_ms":250,"local_fallback":false,
+                "local_record_entries":10,"local_record_bytes":4096}"#,
+        r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"/m/id"},
+                "missing_id":"pass","duplicate_status":202}}"#,
+    ] {
+        let c = parse(json).unwrap();
+        let raw = c.to_raw();
+        assert_eq!(Config::validate(raw.clone(), &|_| None), Ok(c.clone()), "{json}");
+        let text = serde_json::to_vec(&raw).unwrap();
+        assert_eq!(Config::from_json(&text), Ok(c), "{json}");
+    }
+}
+
+#[test]
+fn record_and_fingerprint_keys() {
+    let c = parse(
+        r#"{"store_cluster":"s","fingerprint_headers":["x-tenant","content-type","x-tenant"],
+                "fingerprint_json":{"canonical":false,"ignore":["/client_sent_at","/a~1b/0"]},
+                "store_statuses":["2xx",404,"409","5XX"],
+                "store_content_types":["application/json","+json","text/*","*/*"],
+                "record_too_large":"release","body_omitted_header":"x-body-omitted"}"#,
+    )
+    .unwrap();
+    assert_eq!(c.fingerprint_headers, ["x-tenant", "content-type"], "a repeated name counts once");
+    assert_eq!(
+        c.fingerprint_json,
+        Some(JsonPrint { canonical: false, ignore: vec!["/client_sent_at".into(), "/a~1b/0".into()] })
+    );
+    assert_eq!(c.store_statuses.entries(), ["2xx", "5xx", "404", "409"]);
+    let types: Vec<String> = c.store_content_types.unwrap().iter().map(|p| p.to_string()).collect();
+    assert_eq!(types, ["application/json", "+json", "text/*", "*/*"]);
+    assert_eq!(c.record_too_large, TooLarge::Release);
+    assert_eq!(c.body_omitted_header, "x-body-omitted");
+    let j = parse(r#"{"store_cluster":"s","fingerprint_json":{}}"#).unwrap();
+    assert_eq!(j.fingerprint_json, Some(JsonPrint { canonical: true, ignore: vec![] }));
+    let nulls = parse(r#"{"store_cluster":"s","fingerprint_json":null,"store_content_types":null}"#).unwrap();
+    assert_eq!((nulls.fingerprint_json, nulls.store_content_types), (None, None));
+}
+
+#[test]
+fn every_key_set() {
+    let c = parse(
+        r#"{"store_cluster":"s","store_timeout_ms":200,"retention_seconds":604800,
+                "lock_ttl_ms":1000,"lock_wait_ms":10,"methods":["PUT"],"require_key":true,
+                "max_key_length":64,"max_body_bytes":0,"max_record_bytes":10,
+                "replay_header":"x-replay","replay_headers":["etag"],
+                "subject":{"metadata":{"filter":"envoy.filters.http.jwt_authn","path":["payload","sub"]}},
+                "failure_mode":"closed","detached_execution":true,"detached_timeout_ms":900,
+                "store_key_header":"x-idempotency-store-key"}"#,
+    )
+    .unwrap();
+    assert_eq!(c.retention_seconds, 604_800);
+    assert_eq!(c.methods, ["PUT"]);
+    assert_eq!(c.failure_mode, FailureMode::Closed);
+    assert!(c.detached_execution);
+    assert_eq!(c.detached_timeout_ms, 900);
+    assert_eq!(c.store_key_header.as_deref(), Some("x-idempotency-store-key"));
+    assert_eq!(
+        c.subject,
+        Subject::Metadata {
+            filter: "envoy.filters.http.jwt_authn".into(),
+            path: vec!["payload".into(), "sub".into()]
+        }
+    );
+    let c = parse(r#"{"store_cluster":"s","subject":{"header":"x-user"}}"#).unwrap();
+    assert_eq!(c.subject, Subject::Header("x-user".into()));
+}
+
+#[test]
+fn errors_name_the_key_and_range() {
+    let e = parse(r#"{"store_cluster":"s","retention_seconds":999999999}"#).unwrap_err();
+    assert_eq!(e.key, "retention_seconds");
+    let text = e.to_string();
+    assert!(text.contains("retention_seconds"), "{text}");
+    assert!(text.contains("1 to 604800"), "{text}");
+    assert!(text.contains("999999999"), "{text}");
+
+    let cases = [
+        (r#"{}"#, "store_cluster"),
+        (r#"{"store_cluster":""}"#, "store_cluster"),
+        (r#"{"store_cluster":"s","foo":1}"#, "foo"),
+        (r#"{"store_cluster":"s","lock_ttl_ms":"x"}"#, "lock_ttl_ms"),
+        (r#"{"store_cluster":"s","lock_ttl_ms":-5}"#, "lock_ttl_ms"),
+        (r#"{"store_cluster":"s","lock_wait_ms":1.5}"#, "lock_wait_ms"),
+        (r#"{"store_cluster":"s","retention_seconds":0}"#, "retention_seconds"),
+        (r#"{"store_cluster":"s","breaker_failures":0}"#, "breaker_failures"),
+        (r#"{"store_cluster":"s","breaker_open_ms":60001}"#, "breaker_open_ms"),
+        (r#"{"store_cluster":"s","local_fallback":"yes"}"#, "local_fallback"),
+        (r#"{"store_cluster":"s","local_record_bytes":1073741825}"#, "local_record_bytes"),
+        (r#"{"store_cluster":"s","require_key":"yes"}"#, "require_key"),
+        (r#"{"store_cluster":"s","methods":[]}"#, "methods"),
+        (r#"{"store_cluster":"s","methods":["post"]}"#, "methods"),
+        (r#"{"store_cluster":"s","methods":"POST"}"#, "methods"),
+        (r#"{"store_cluster":"s","replay_headers":["set-cookie"]}"#, "replay_headers"),
+        (r#"{"store_cluster":"s","replay_headers":["Location"]}"#, "replay_headers"),
+        (r#"{"store_cluster":"s","replay_headers":["connection"]}"#, "replay_headers"),
+        (r#"{"store_cluster":"s","replay_header":"bad header"}"#, "replay_header"),
+        (r#"{"store_cluster":"s","failure_mode":"maybe"}"#, "failure_mode"),
+        (r#"{"store_cluster":"s","subject":"ip"}"#, "subject"),
+        (r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f"}}}"#, "subject.metadata.path"),
+        (r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f","path":[]}}}"#, "subject.metadata.path"),
+        (r#"{"store_cluster":"s","max_body_bytes":99999999999}"#, "max_body_bytes"),
+        (r#"{"store_cluster":"s","lock_ttl_ms":1000,"detached_timeout_ms":1001}"#, "detached_timeout_ms"),
+        (r#"{"store_cluster":"s","detached_execution":1}"#, "detached_execution"),
+        (r#"{"store_cluster":"s","store_key_header":"idempotency-key"}"#, "store_key_header"),
+        (r#"{"store_cluster":"s","store_key_header":"X-Key"}"#, "store_key_header"),
+        (r#"{"store_cluster":"s","lock_wait_ms":-1}"#, "lock_wait_ms"),
+        (r#"{"store_cluster":"s","fingerprint_headers":"x-tenant"}"#, "fingerprint_headers"),
+        (r#"{"store_cluster":"s","fingerprint_headers":["X-Tenant"]}"#, "fingerprint_headers"),
+        (r#"{"store_cluster":"s","fingerprint_headers":[":path"]}"#, "fingerprint_headers"),
+        (r#"{"store_cluster":"s","fingerprint_headers":["idempotency-key"]}"#, "fingerprint_headers"),
+        (r#"{"store_cluster":"s","fingerprint_json":true}"#, "fingerprint_json"),
+        (r#"{"store_cluster":"s","fingerprint_json":{"canonical":"yes"}}"#, "fingerprint_json.canonical"),
+        (r#"{"store_cluster":"s","fingerprint_json":{"ignore":["a"]}}"#, "fingerprint_json.ignore"),
+        (r#"{"store_cluster":"s","fingerprint_json":{"ignore":"/a"}}"#, "fingerprint_json.ignore"),
+        (r#"{"store_cluster":"s","fingerprint_json":{"sort":true}}"#, "fingerprint_json.sort"),
+        (r#"{"store_cluster":"s","store_statuses":[]}"#, "store_statuses"),
+        (r#"{"store_cluster":"s","store_statuses":"2xx"}"#, "store_statuses"),
+        (r#"{"store_cluster":"s","store_statuses":["1xx"]}"#, "store_statuses"),
+        (r#"{"store_cluster":"s","store_statuses":[600]}"#, "store_statuses"),
+        (r#"{"store_cluster":"s","store_statuses":["2xx",true]}"#, "store_statuses"),
+        (r#"{"store_cluster":"s","store_content_types":[]}"#, "store_content_types"),
+        (r#"{"store_cluster":"s","store_content_types":["json"]}"#, "store_content_types"),
+        (r#"{"store_cluster":"s","store_content_types":["Application/JSON"]}"#, "store_content_types"),
+        (
+            r#"{"store_cluster":"s","store_content_types":["text/plain; charset=utf-8"]}"#,
+            "store_content_types",
+        ),
+        (r#"{"store_cluster":"s","record_too_large":"truncate"}"#, "record_too_large"),
+        (r#"{"store_cluster":"s","body_omitted_header":"x-idempotent-replay"}"#, "body_omitted_header"),
+        (r#"{"store_cluster":"s","body_omitted_header":"content-encoding"}"#, "body_omitted_header"),
+        (r#"{"store_cluster":"s","replay_header":"content-type"}"#, "replay_header"),
+    ];
+    for (json, key) in cases {
+        let e = parse(json).unwrap_err();
+        assert_eq!(e.key, key, "{json}: {e}");
+        assert!(e.to_string().contains(key), "{json}: {e}");
+    }
+    assert!(parse("not json").is_err());
+    assert!(parse("[]").is_err());
+}
+
+#[test]
+fn inbox_mode() {
+    let c = parse(r#"{"store_cluster":"s","mode":"inbox"}"#).unwrap();
+    assert_eq!(
+        c.inbox(),
+        Some(&Inbox {
+            message_id: MessageIdSource::CloudEvents,
+            missing_id: MissingId::Reject,
+            duplicate_status: None
+        })
+    );
+    let c = parse(
+        r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"header":"x-message-id"},
+                "missing_id":"pass","duplicate_status":204}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        c.inbox(),
+        Some(&Inbox {
+            message_id: MessageIdSource::Header("x-message-id".into()),
+            missing_id: MissingId::Pass,
+            duplicate_status: Some(204)
+        })
+    );
+    let c = parse(
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"/message/messageId"}}}"#,
+        )
+        .unwrap();
+    assert_eq!(c.inbox().unwrap().message_id, MessageIdSource::JsonPointer("/message/messageId".into()));
+    let c = parse(r#"{"store_cluster":"s","mode":"idempotency_key"}"#).unwrap();
+    assert_eq!(c.mode, Mode::IdempotencyKey);
+    // Istio's mode works when the id is in a header, or when no store key header is sent.
+    assert!(parse(
+        r#"{"store_cluster":"s","mode":"inbox","pause_on_headers":false,"store_key_header":"x-k",
+                "inbox":{"message_id":{"header":"x-id"}}}"#
+    )
+    .is_ok());
+    assert!(parse(r#"{"store_cluster":"s","mode":"inbox","pause_on_headers":false}"#).is_ok());
+}
+
+#[test]
+fn inbox_errors_name_the_key() {
+    let cases = [
+        (r#"{"store_cluster":"s","inbox":{}}"#, "inbox"),
+        (r#"{"store_cluster":"s","mode":"idempotency_key","inbox":{}}"#, "inbox"),
+        (r#"{"store_cluster":"s","mode":"outbox"}"#, "mode"),
+        (r#"{"store_cluster":"s","mode":1}"#, "mode"),
+        (r#"{"store_cluster":"s","mode":"inbox","inbox":[]}"#, "inbox"),
+        (r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":"kafka"}}"#, "inbox.message_id"),
+        (r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{}}}"#, "inbox.message_id"),
+        (
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"header":"x","json_pointer":"/a"}}}"#,
+            "inbox.message_id",
+        ),
+        (
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"header":"X-Id"}}}"#,
+            "inbox.message_id.header",
+        ),
+        (
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"message"}}}"#,
+            "inbox.message_id.json_pointer",
+        ),
+        (
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":""}}}"#,
+            "inbox.message_id.json_pointer",
+        ),
+        (r#"{"store_cluster":"s","mode":"inbox","inbox":{"missing_id":"drop"}}"#, "inbox.missing_id"),
+        (
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"duplicate_status":500}}"#,
+            "inbox.duplicate_status",
+        ),
+        (
+            r#"{"store_cluster":"s","mode":"inbox","inbox":{"duplicate_status":"200"}}"#,
+            "inbox.duplicate_status",
+        ),
+        (r#"{"store_cluster":"s","mode":"inbox","inbox":{"retries":3}}"#, "inbox.retries"),
+        (r#"{"store_cluster":"s","mode":"inbox","require_key":true}"#, "require_key"),
+        (r#"{"store_cluster":"s","mode":"inbox","subject":{"header":"x-user"}}"#, "subject"),
+        (
+            r#"{"store_cluster":"s","mode":"inbox","pause_on_headers":false,"store_key_header":"x-k"}"#,
+            "store_key_header",
+        ),
+        (r#"{"store_cluster":"s","mode":"inbox","fingerprint_headers":["x-t"]}"#, "fingerprint_headers"),
+        (r#"{"store_cluster":"s","mode":"inbox","fingerprint_json":{}}"#, "fingerprint_json"),
+        (r#"{"store_cluster":"s","mode":"inbox","store_statuses":["4xx"]}"#, "store_statuses"),
+        (r#"{"store_cluster":"s","mode":"inbox","record_too_large":"release"}"#, "record_too_large"),
+    ];
+    for (json, key) in cases {
+        let e = parse(json).unwrap_err();
+        assert_eq!(e.key, key, "{json}: {e}");
+        assert!(e.to_string().contains(&format!("`{key}`")), "{json}: {e}");
+    }
+    let e = parse(r#"{"store_cluster":"s","mode":"inbox","inbox":{"duplicate_status":500}}"#).unwrap_err();
+    assert!(e.to_string().contains("200 to 299"), "{e}");
+}
+
+const SECRET: &str = "Sup3r-s3cret~value!";
+
+fn parse_env(s: &str, vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+    let lookup = |name: &str| vars.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string());
+    Config::from_json_with_env(s.as_bytes(), &lookup)
+}
+
+#[test]
+fn store_secret_from_the_config_or_the_environment() {
+    assert_eq!(parse(r#"{"store_cluster":"s"}"#).unwrap().store_secret, None);
+    let c = parse_env(&format!(r#"{{"store_cluster":"s","store_secret":"{SECRET}"}}"#), &[]).unwrap();
+    assert_eq!(c.store_secret.as_ref().map(StoreSecret::as_str), Some(SECRET));
+    let json = r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#;
+    let c = parse_env(json, &[("IDEM_SECRET", SECRET)]).unwrap();
+    assert_eq!(c.store_secret.as_ref().map(StoreSecret::as_str), Some(SECRET));
+    let longest = "x".repeat(256);
+    let c = parse_env(&format!(r#"{{"store_cluster":"s","store_secret":"{longest}"}}"#), &[]).unwrap();
+    assert_eq!(c.store_secret.unwrap().as_str(), longest);
+    let nulls = parse(r#"{"store_cluster":"s","store_secret":null,"store_secret_env":null}"#).unwrap();
+    assert_eq!(nulls.store_secret, None);
+}
+
+#[test]
+fn store_secret_errors_name_the_key_and_never_the_secret() {
+    let too_long = "x".repeat(257);
+    let both =
+        format!(r#"{{"store_cluster":"s","store_secret":"{SECRET}","store_secret_env":"IDEM_SECRET"}}"#);
+    // (configuration, environment, a word the error must contain)
+    type Vars = &'static [(&'static str, &'static str)];
+    let cases: Vec<(String, Vars, &str)> = vec![
+        (both, &[("IDEM_SECRET", SECRET)], "store_secret_env"),
+        (r#"{"store_cluster":"s","store_secret":""}"#.into(), &[], "store_secret"),
+        (format!(r#"{{"store_cluster":"s","store_secret":"{too_long}"}}"#), &[], "store_secret"),
+        (r#"{"store_cluster":"s","store_secret":"two words"}"#.into(), &[], "store_secret"),
+        (r#"{"store_cluster":"s","store_secret":"café"}"#.into(), &[], "store_secret"),
+        (r#"{"store_cluster":"s","store_secret":5}"#.into(), &[], "store_secret"),
+        (r#"{"store_cluster":"s","store_secret_env":""}"#.into(), &[], "store_secret_env"),
+        (r#"{"store_cluster":"s","store_secret_env":7}"#.into(), &[], "store_secret_env"),
+        (r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#.into(), &[], "IDEM_SECRET"),
+        (
+            r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#.into(),
+            &[("IDEM_SECRET", "")],
+            "IDEM_SECRET",
+        ),
+        (
+            r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#.into(),
+            &[("IDEM_SECRET", "Sup3r s3cret")],
+            "IDEM_SECRET",
+        ),
+    ];
+    for (json, vars, named) in cases {
+        let e = parse_env(&json, vars).unwrap_err();
+        let text = e.to_string();
+        assert!(e.key.starts_with("store_secret"), "{json}: {text}");
+        assert!(text.contains(&format!("`{}`", e.key)), "{json}: {text}");
+        assert!(text.contains(named), "{json}: {text}");
+        assert!(!text.contains("Sup3r"), "{json}: the error quotes the secret: {text}");
+    }
+    let e = parse_env(r#"{"store_cluster":"s","store_secret_env":"IDEM_SECRET"}"#, &[]).unwrap_err();
+    assert!(e.to_string().contains("unset or empty"), "{e}");
+    assert!(e.to_string().contains("host_env_keys"), "{e}");
+    let e = parse_env(
+        &format!(r#"{{"store_cluster":"s","store_secret":"{SECRET}","store_secret_env":"X"}}"#),
+        &[],
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("`store_secret`") && e.to_string().contains("`store_secret_env`"), "{e}");
+}
+
+#[test]
+fn debug_redacts_the_store_secret() {
+    let c = parse_env(&format!(r#"{{"store_cluster":"s","store_secret":"{SECRET}"}}"#), &[]).unwrap();
+    let debug = format!("{c:?}");
+    assert!(!debug.contains(SECRET), "{debug}");
+    assert!(debug.contains("store_secret: Some(StoreSecret(<redacted>))"), "{debug}");
+}
+
+#[test]
+fn from_json_reads_the_process_environment() {
+    // A name nothing else sets; the test owns it.
+    let name = "IDEMPOTENCY_FILTER_CONFIG_TEST_SECRET";
+    let json = format!(r#"{{"store_cluster":"s","store_secret_env":"{name}"}}"#);
+    assert_eq!(Config::from_json(json.as_bytes()).unwrap_err().key, "store_secret_env");
+    // SAFETY: no other test reads or writes this variable.
+    unsafe { std::env::set_var(name, SECRET) };
+    let c = Config::from_json(json.as_bytes()).unwrap();
+    unsafe { std::env::remove_var(name) };
+    assert_eq!(c.store_secret.unwrap().as_str(), SECRET);
+}
+
+/// The rows of docs/configuration.md's key tables: key, default, allowed values.
+fn documented_keys() -> Vec<(String, String, String)> {
+    include_str!("../../docs/configuration.md")
+        .lines()
+        .filter_map(|line| {
+            let cells: Vec<&str> = line.strip_prefix('|')?.split(" | ").map(str::trim).collect();
+            let key = cells.first()?.strip_prefix('`')?.strip_suffix('`')?;
+            Some((key.to_string(), cells.get(1)?.to_string(), cells.get(2)?.to_string()))
+        })
+        .collect()
+}
+
+#[test]
+fn every_key_is_documented_with_its_default_and_range() {
+    let docs = documented_keys();
+    let row = |key: &str| docs.iter().find(|(k, _, _)| k == key);
+    let undocumented: Vec<&&str> = KEYS.iter().filter(|k| row(k).is_none()).collect();
+    assert!(undocumented.is_empty(), "docs/configuration.md has no row for {undocumented:?}");
+    for key in SIMPLE_KEYS {
+        let Some((_, default, allowed)) = row(key.name) else { continue };
+        assert_eq!(
+            *default,
+            format!("`{}`", key.default),
+            "docs/configuration.md: the default of `{}`",
+            key.name
+        );
+        if let Some(range) = &key.range {
+            let shown = format!("{} .. {}", range.start(), range.end());
+            assert!(
+                allowed.starts_with(&shown),
+                "docs/configuration.md: `{}` allows {shown}, not {allowed:?}",
+                key.name
+            );
+        }
+    }
+    let documented_but_unknown: Vec<&String> =
+        docs.iter().map(|(k, _, _)| k).filter(|k| !k.contains('.') && !KEYS.contains(&k.as_str())).collect();
+    assert!(documented_but_unknown.is_empty(), "docs/configuration.md documents {documented_but_unknown:?}");
+}
+
+#[test]
+fn every_simple_key_takes_the_ends_of_its_range() {
+    for key in SIMPLE_KEYS {
+        let Some(range) = &key.range else { continue };
+        for n in [*range.start(), *range.end()] {
+            // `detached_timeout_ms` is bounded by `lock_ttl_ms`: keep it valid at the low end.
+            let json = format!(r#"{{"store_cluster":"s","detached_timeout_ms":1,"{}":{n}}}"#, key.name);
+            let c = parse(&json).unwrap_or_else(|e| panic!("{json}: {e}"));
+            let raw = serde_json::to_value(c.to_raw()).unwrap();
+            assert_eq!(raw.get(key.name), Some(&serde_json::json!(n)), "{json}");
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! What the worker asks the host to do: the [`Command`]s the coordinator returns, carried out
+//! by the host in order and nothing else, and the callouts among them ([`Dispatch`]).
+//!
+//! [`Coordinator`]: crate::worker::coordinator::Coordinator
+//! [`Coordinator::poll`]: crate::worker::coordinator::Coordinator::poll
+//! [`Coordinator::on_tick`]: crate::worker::coordinator::Coordinator::on_tick
+//! [`Coordinator::on_respond_failed`]: crate::worker::coordinator::Coordinator::on_respond_failed
+//! [`Coordinator::on_queue_ready`]: crate::worker::coordinator::Coordinator::on_queue_ready
+//! [`Coordinator::on_wake_failed`]: crate::worker::coordinator::Coordinator::on_wake_failed
+//! [`Coordinator::on_dispatched`]: crate::worker::coordinator::Coordinator::on_dispatched
+
+use crate::request::metrics::Metric;
+use crate::request::problem::LocalResponse;
+use crate::store::client::CallKind;
+
+/// What the host does, in the order [`Coordinator::poll`] returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// Answer the client instead of the upstream. On failure, tell
+    /// [`Coordinator::on_respond_failed`].
+    Respond {
+        stream: u32,
+        response: LocalResponse,
+    },
+    /// Let the paused request go on to the upstream.
+    Resume {
+        stream: u32,
+    },
+    /// Only in the stream's own request-header callback.
+    SetRequestHeader {
+        stream: u32,
+        name: String,
+        value: String,
+    },
+    RemoveRequestHeader {
+        stream: u32,
+        name: String,
+    },
+    /// Set the filter state the access log reads (`metrics::OUTCOME_PROPERTY`).
+    Outcome {
+        stream: u32,
+        outcome: &'static str,
+    },
+    Count(Metric),
+    /// Add `n` to a counter.
+    Add {
+        metric: Metric,
+        n: u64,
+    },
+    /// Set the gauge of local records (`metrics::LOCAL_RECORDS`).
+    LocalRecords(u64),
+    /// Call [`Coordinator::on_tick`] every this many milliseconds (0: stop).
+    Tick {
+        period_ms: u64,
+    },
+    /// A store call's latency, for its histogram.
+    Latency {
+        kind: CallKind,
+        micros: u64,
+    },
+    /// Enqueue on the worker's shared queue, so that the root's [`Coordinator::on_queue_ready`]
+    /// runs; on failure, tell [`Coordinator::on_wake_failed`]. Only in stream callbacks.
+    Wake,
+    /// Send a callout from the root context and tell [`Coordinator::on_dispatched`] its token.
+    Dispatch(Dispatch),
+}
+
+/// A callout to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatch {
+    pub job: u64,
+    pub cluster: String,
+    /// Pseudo-headers first.
+    pub headers: Vec<(String, String)>,
+    pub body: Option<Vec<u8>>,
+    pub timeout_ms: u64,
+}
