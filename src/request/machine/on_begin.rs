@@ -1,0 +1,84 @@
+//! The store's answer to `begin`: replay (or `422` / `406`), `409`, a lock to run under, or a
+//! fault the request fails open or closed on.
+
+use super::*;
+
+impl Machine {
+    pub fn on_begin_answer(&mut self, answer: Result<BeginAnswer, CalloutFault>) -> Vec<Effect> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Beginning { key, body_hash } => match answer {
+                Ok(BeginAnswer::Replay(record)) => {
+                    let (answer, metric) =
+                        replay::answer(&self.cfg, record, self.print.as_ref(), &self.accept_encoding);
+                    vec![Effect::Respond(answer), Effect::Count(metric)]
+                }
+                Ok(BeginAnswer::Mismatch) => vec![
+                    Effect::Respond(problem::key_reused(&fingerprint::Differs::Body)),
+                    Effect::Count(Metric::Mismatched),
+                ],
+                Ok(BeginAnswer::Withheld) => {
+                    let retry_ms = self.cfg.breaker_open_ms.max(1000);
+                    vec![
+                        Effect::Respond(problem::answer_withheld(retry_ms)),
+                        Effect::Count(Metric::Unavailable),
+                    ]
+                }
+                Ok(BeginAnswer::Busy { lock_ms }) => {
+                    // What the store says is left of the holder's lock; never beyond its TTL.
+                    let left = lock_ms.unwrap_or(1).min(self.cfg.lock_ttl_ms);
+                    let problem = match self.cfg.inbox() {
+                        Some(_) => problem::message_in_flight(left),
+                        None => problem::in_flight(left),
+                    };
+                    vec![Effect::Respond(problem), Effect::Count(Metric::Conflicted)]
+                }
+                Ok(BeginAnswer::Locked { token }) => match self.detach.take() {
+                    Some(d) => {
+                        let call = UpstreamCall {
+                            cluster: d.cluster,
+                            headers: d.headers,
+                            body: d.body,
+                            timeout_ms: self.cfg.detached_timeout_ms,
+                        };
+                        self.state = State::Detached { key, body_hash, token, gone: false };
+                        vec![
+                            Effect::Upstream(call),
+                            Effect::Count(Metric::Executed),
+                            Effect::Count(Metric::Detached),
+                        ]
+                    }
+                    None => {
+                        self.state = State::Executing { key, body_hash, token };
+                        vec![Effect::Resume, Effect::Count(Metric::Executed)]
+                    }
+                },
+                // The host logged and counted the fault itself.
+                Err(_) => self.give_up(),
+            },
+            State::Orphaned { key } => match answer {
+                Ok(BeginAnswer::Locked { token }) => {
+                    vec![Effect::Store(StoreCall::Release { key, token }), Effect::Count(Metric::Released)]
+                }
+                _ => vec![],
+            },
+            other => {
+                self.state = other;
+                vec![]
+            }
+        }
+    }
+
+    /// The guarantee cannot be had (the store failed, or the body could not be read) before the
+    /// upstream ran: it is given up (counted as degraded) by running unguarded, or by refusing.
+    pub(super) fn give_up(&mut self) -> Vec<Effect> {
+        self.state = State::Done;
+        match self.cfg.failure_mode {
+            FailureMode::Open => vec![Effect::Resume, Effect::Count(Metric::Degraded)],
+            FailureMode::Closed => vec![
+                Effect::Respond(problem::store_unavailable()),
+                Effect::Count(Metric::Degraded),
+                Effect::Count(Metric::Unavailable),
+            ],
+        }
+    }
+}

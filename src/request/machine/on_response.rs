@@ -1,0 +1,232 @@
+//! The answer's phase: the upstream's (or a detached execution's) response, kept as it streams
+//! to the client when [`keep`] says so, then committed; released when it is not kept, or the
+//! stream ends first.
+//!
+//! [`keep`]: crate::request::keep
+
+use super::*;
+
+impl Machine {
+    pub fn on_response_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Executing { key, body_hash, token } => {
+                let status = first(view.response_header(":status"))
+                    .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.parse::<u16>().ok()))
+                    .unwrap_or(0);
+                let length = first(view.response_header("content-length"))
+                    .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
+                let (head, recorded) = self.answer_head(status, length, |name| view.response_header(name));
+                let keep = keep::decide(&self.cfg, &head);
+                let omitted = match keep {
+                    Keep::Full => false,
+                    Keep::WithoutBody => true,
+                    Keep::StatusOnly | Keep::Release => {
+                        return Step::go(self.end_without_record(key, token, body_hash, status, keep))
+                    }
+                };
+                let capture = Capture { head, headers: recorded, body: Vec::new(), seen: 0, omitted };
+                self.state = State::Capturing { key, body_hash, token, capture };
+                if end_of_stream {
+                    return Step::go(self.finish_capture());
+                }
+                Step::go(vec![])
+            }
+            // Envoy answered the client itself (e.g. a stream timeout): the detached call goes on.
+            State::Detached { key, body_hash, token, .. } => {
+                self.state = State::Detached { key, body_hash, token, gone: true };
+                Step::go(vec![])
+            }
+            // The request never reached the upstream (Envoy answered it, e.g. a timeout while
+            // `begin` was pending): whatever `begin` brings back must be given back.
+            State::Beginning { key, .. } => {
+                self.state = State::Orphaned { key };
+                Step::go(vec![])
+            }
+            other => {
+                self.state = other;
+                Step::go(vec![])
+            }
+        }
+    }
+
+    pub fn on_response_body(&mut self, view: &dyn StreamView, chunk_len: usize, end_of_stream: bool) -> Step {
+        let State::Capturing { capture, .. } = &mut self.state else {
+            return Step::go(vec![]);
+        };
+        if chunk_len > 0 {
+            capture.seen = capture.seen.saturating_add(chunk_len as u64);
+            let mut keep = keep::decide(&self.cfg, &capture.head.with_body(capture.seen));
+            if keep == Keep::Full && !capture.omitted {
+                match view.response_body(0, chunk_len) {
+                    Some(chunk) => capture.body.extend_from_slice(&chunk),
+                    // A body the host cannot hand over is kept like one too large to keep.
+                    None => keep = keep::decide(&self.cfg, &capture.head.with_body(u64::MAX)),
+                }
+            }
+            match keep {
+                Keep::Full => {}
+                Keep::WithoutBody => {
+                    capture.omitted = true;
+                    capture.body = Vec::new();
+                }
+                keep => return Step::go(self.abandon_capture(keep)),
+            }
+        }
+        if end_of_stream {
+            return Step::go(self.finish_capture());
+        }
+        Step::go(vec![])
+    }
+
+    /// Trailers end the response body; they are not stored.
+    pub fn on_response_trailers(&mut self) -> Step {
+        if matches!(self.state, State::Capturing { .. }) {
+            return Step::go(self.finish_capture());
+        }
+        Step::go(vec![])
+    }
+
+    pub(super) fn finish_capture(&mut self) -> Vec<Effect> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Capturing { key, body_hash, token, capture } => {
+                let record = Record {
+                    status: capture.head.status,
+                    headers: capture.headers,
+                    body: capture.body,
+                    body_omitted: capture.omitted,
+                    print: self.print.clone(),
+                };
+                vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
+            }
+            other => {
+                self.state = other;
+                vec![]
+            }
+        }
+    }
+
+    /// The capture cannot become a full record after all: `keep` says what instead.
+    pub(super) fn abandon_capture(&mut self, keep: Keep) -> Vec<Effect> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Capturing { key, body_hash, token, capture } => {
+                self.end_without_record(key, token, body_hash, capture.head.status, keep)
+            }
+            other => {
+                self.state = other;
+                vec![]
+            }
+        }
+    }
+
+    /// Ends a lock for an answer that gets no full record: its status alone
+    /// ([`Keep::StatusOnly`]) or nothing.
+    pub(super) fn end_without_record(
+        &self,
+        key: String,
+        token: LockToken,
+        body_hash: String,
+        status: u16,
+        keep: Keep,
+    ) -> Vec<Effect> {
+        match keep {
+            Keep::StatusOnly => {
+                let record = Record::status_only(status).encode();
+                vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record })]
+            }
+            _ => release(key, token),
+        }
+    }
+
+    /// The answer to a detached execution: to the client if it is still there, and to the
+    /// store in any case (a commit, or a release for what is not stored).
+    pub fn on_upstream_answer(&mut self, answer: Result<UpstreamAnswer, CalloutFault>) -> Vec<Effect> {
+        let (key, body_hash, token, gone) = match std::mem::replace(&mut self.state, State::Done) {
+            State::Detached { key, body_hash, token, gone } => (key, body_hash, token, gone),
+            other => {
+                self.state = other;
+                return vec![];
+            }
+        };
+        let mut effects = Vec::new();
+        let answer = match answer {
+            Ok(a) => a,
+            Err(fault) => {
+                if !gone {
+                    let problem = match fault {
+                        CalloutFault::Timeout => problem::upstream_timeout(self.cfg.detached_timeout_ms),
+                        _ => problem::upstream_failed(),
+                    };
+                    effects.push(Effect::Respond(problem));
+                }
+                effects.extend(release(key, token));
+                return effects;
+            }
+        };
+        if !gone {
+            effects.push(Effect::Respond(answer.to_local_response()));
+        }
+        let values_of =
+            |name: &str| answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect();
+        let (head, headers) = self.answer_head(answer.status, Some(answer.body.len() as u64), values_of);
+        let keep = keep::decide(&self.cfg, &head);
+        let omitted = match keep {
+            Keep::Full => false,
+            Keep::WithoutBody => true,
+            Keep::StatusOnly | Keep::Release => {
+                effects.extend(self.end_without_record(key, token, body_hash, answer.status, keep));
+                if gone && keep == Keep::StatusOnly {
+                    effects.push(Effect::Count(Metric::CommittedAfterGone));
+                }
+                return effects;
+            }
+        };
+        let body = if omitted { Vec::new() } else { answer.body };
+        let record =
+            Record { status: answer.status, headers, body, body_omitted: omitted, print: self.print.clone() };
+        effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
+        if gone {
+            effects.push(Effect::Count(Metric::CommittedAfterGone));
+        }
+        effects
+    }
+
+    /// What [`keep::decide`] needs to know of an answer, and the headers its record would keep,
+    /// from its status, body length (as far as known) and header values.
+    pub(super) fn answer_head(
+        &self,
+        status: u16,
+        length: Option<u64>,
+        values_of: impl Fn(&str) -> Vec<Vec<u8>>,
+    ) -> (Head, Vec<(String, String)>) {
+        let recorded = self.recorded_headers(&values_of);
+        let head = Head {
+            status,
+            content_type: first(values_of("content-type")),
+            length,
+            upgrade: !values_of("upgrade").is_empty(),
+            headers_fit: record::headers_fit(&recorded),
+            readable: Head::readable_with(&values_of),
+        };
+        (head, recorded)
+    }
+
+    /// The response headers a record keeps: the allow-listed ones, and those that say how the
+    /// body is read (see [`headers::REPRESENTATION`]).
+    pub(super) fn recorded_headers(&self, values_of: impl Fn(&str) -> Vec<Vec<u8>>) -> Vec<(String, String)> {
+        let listed = &self.cfg.replay_headers;
+        let representation =
+            headers::REPRESENTATION.iter().copied().filter(|n| !listed.iter().any(|l| l == n));
+        let mut out = Vec::new();
+        for name in listed.iter().map(String::as_str).chain(representation) {
+            for value in values_of(name) {
+                // A value Envoy could not send back in a local reply is left out, not mangled.
+                if headers::is_valid_value(&value) {
+                    if let Ok(v) = String::from_utf8(value) {
+                        out.push((name.to_string(), v));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
