@@ -27,7 +27,7 @@ use crate::store::client::{Answer, BeginAnswer, CallKind, CalloutFault, StoreCal
 use crate::worker::callouts::{key_prefix, Call, Callback, Callouts, Job};
 use crate::worker::command::Command;
 use crate::worker::env::Env;
-use crate::worker::fallback::Outcome;
+use crate::worker::fallback::LocalAnswer;
 use crate::worker::store_path::{Presence, Routed, StorePath};
 
 /// What a stream callback returns to Envoy, and whether the stream's later callbacks can skip
@@ -440,12 +440,12 @@ impl Coordinator {
     fn local_outcome(
         &mut self,
         stream: u32,
-        outcome: Outcome,
+        outcome: LocalAnswer,
         and_count: Option<Metric>,
     ) -> (Vec<Effect>, bool) {
         let (mut effects, alive) = match outcome {
-            Outcome::Wait => (vec![], true),
-            Outcome::Answer(answer, metrics) => self.answer_begin(stream, answer, metrics),
+            LocalAnswer::Wait => (vec![], true),
+            LocalAnswer::Answer(answer, metrics) => self.answer_begin(stream, answer, metrics),
         };
         effects.extend(and_count.map(Effect::Count));
         (effects, alive)

@@ -41,7 +41,7 @@ const MAX_BACKOFF_MS: u64 = 30_000;
 
 /// The answer a `begin` the store could not give gets, with what to count.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum LocalAnswer {
     Answer(Result<BeginAnswer, CalloutFault>, Vec<Metric>),
     /// Another request holds the local lock: the stream waits (see [`Fallback::due`]).
     Wait,
@@ -118,8 +118,8 @@ impl Fallback {
         body_hash: &str,
         fault: CalloutFault,
         now_ms: Option<u64>,
-    ) -> Outcome {
-        let Some(now) = now_ms else { return Outcome::Answer(Err(fault), vec![]) };
+    ) -> LocalAnswer {
+        let Some(now) = now_ms else { return LocalAnswer::Answer(Err(fault), vec![]) };
         let owner = self.owner_base | u64::from(self.next_owner);
         match self.store.begin(data, key, body_hash, owner, now) {
             Begin::Held { .. } if self.lock_wait_ms > 0 => {
@@ -131,29 +131,34 @@ impl Fallback {
                     fault,
                     deadline_ms,
                 });
-                Outcome::Wait
+                LocalAnswer::Wait
             }
             found => self.answer(found, owner, fault),
         }
     }
 
-    fn answer(&mut self, found: Begin, owner: u64, fault: CalloutFault) -> Outcome {
+    fn answer(&mut self, found: Begin, owner: u64, fault: CalloutFault) -> LocalAnswer {
         match found {
             Begin::Replay(bytes) => match Record::decode(&bytes) {
-                Ok(record) => Outcome::Answer(Ok(BeginAnswer::Replay(record)), vec![Metric::LocalReplays]),
-                Err(_) => Outcome::Answer(Err(fault), vec![]),
+                Ok(record) => {
+                    LocalAnswer::Answer(Ok(BeginAnswer::Replay(record)), vec![Metric::LocalReplays])
+                }
+                Err(_) => LocalAnswer::Answer(Err(fault), vec![]),
             },
-            Begin::Mismatch => Outcome::Answer(Ok(BeginAnswer::Mismatch), vec![]),
+            Begin::Mismatch => LocalAnswer::Answer(Ok(BeginAnswer::Mismatch), vec![]),
             Begin::Locked => {
                 self.next_owner = self.next_owner.wrapping_add(1);
                 let token = LockToken::Local(owner);
-                Outcome::Answer(Ok(BeginAnswer::Locked { token }), vec![Metric::LocalLocks, Metric::Degraded])
+                LocalAnswer::Answer(
+                    Ok(BeginAnswer::Locked { token }),
+                    vec![Metric::LocalLocks, Metric::Degraded],
+                )
             }
             Begin::Held { remaining_ms } => {
-                Outcome::Answer(Ok(BeginAnswer::Busy { lock_ms: Some(remaining_ms.max(1)) }), vec![])
+                LocalAnswer::Answer(Ok(BeginAnswer::Busy { lock_ms: Some(remaining_ms.max(1)) }), vec![])
             }
-            Begin::Withheld => Outcome::Answer(Ok(BeginAnswer::Withheld), vec![]),
-            Begin::Unavailable => Outcome::Answer(Err(fault), vec![]),
+            Begin::Withheld => LocalAnswer::Answer(Ok(BeginAnswer::Withheld), vec![]),
+            Begin::Unavailable => LocalAnswer::Answer(Err(fault), vec![]),
         }
     }
 
@@ -170,7 +175,7 @@ impl Fallback {
         body_hash: &str,
         token: &str,
         now_ms: Option<u64>,
-    ) -> Option<Outcome> {
+    ) -> Option<LocalAnswer> {
         let now = now_ms?;
         let owner = self.owner_base | u64::from(self.next_owner);
         match self.store.adopt(data, key, body_hash, owner, now) {
@@ -189,7 +194,7 @@ impl Fallback {
                     fault,
                     deadline_ms,
                 });
-                Some(Outcome::Wait)
+                Some(LocalAnswer::Wait)
             }
             found @ (Begin::Replay(_) | Begin::Mismatch | Begin::Held { .. }) => {
                 Some(self.answer(found, owner, CalloutFault::Skipped))
@@ -249,11 +254,11 @@ impl Fallback {
         data: &dyn SharedData,
         now_ms: u64,
         gone: impl Fn(u32) -> bool,
-    ) -> Vec<(u32, Outcome)> {
+    ) -> Vec<(u32, LocalAnswer)> {
         let mut due = Vec::new();
         for w in std::mem::take(&mut self.waiters) {
             if gone(w.stream) {
-                due.push((w.stream, Outcome::Answer(Err(w.fault), vec![])));
+                due.push((w.stream, LocalAnswer::Answer(Err(w.fault), vec![])));
                 continue;
             }
             let owner = self.owner_base | u64::from(self.next_owner);
@@ -420,9 +425,9 @@ mod tests {
     }
 
     /// The owner of the local lock granted.
-    fn token(outcome: &Outcome) -> u64 {
+    fn token(outcome: &LocalAnswer) -> u64 {
         match outcome {
-            Outcome::Answer(Ok(BeginAnswer::Locked { token: LockToken::Local(owner) }), _) => *owner,
+            LocalAnswer::Answer(Ok(BeginAnswer::Locked { token: LockToken::Local(owner) }), _) => *owner,
             other => panic!("not locked here: {other:?}"),
         }
     }
@@ -442,8 +447,8 @@ mod tests {
         let (k, b) = (hex('a'), hex('b'));
         let first = f.begin(&data, 2, &k, &b, CalloutFault::Reset, Some(0));
         let t = token(&first);
-        assert!(matches!(&first, Outcome::Answer(_, m) if *m == [Metric::LocalLocks, Metric::Degraded]));
-        assert_eq!(f.begin(&data, 3, &k, &b, CalloutFault::Reset, Some(10)), Outcome::Wait);
+        assert!(matches!(&first, LocalAnswer::Answer(_, m) if *m == [Metric::LocalLocks, Metric::Degraded]));
+        assert_eq!(f.begin(&data, 3, &k, &b, CalloutFault::Reset, Some(10)), LocalAnswer::Wait);
         assert_eq!(f.tick_ms(), WAIT_POLL_MS);
         assert!(f.due(&data, 20, |_| false).is_empty(), "still held");
         let record = Record { status: 201, body: b"made".to_vec(), ..Record::default() }.encode();
@@ -451,7 +456,7 @@ mod tests {
         let due = f.due(&data, 40, |_| false);
         assert_eq!(due.len(), 1);
         match &due[0] {
-            (3, Outcome::Answer(Ok(BeginAnswer::Replay(r)), m)) => {
+            (3, LocalAnswer::Answer(Ok(BeginAnswer::Replay(r)), m)) => {
                 assert_eq!(r.body, b"made");
                 assert_eq!(*m, [Metric::LocalReplays]);
             }
@@ -459,7 +464,7 @@ mod tests {
         }
         // Another body: 422, no wait.
         let other = f.begin(&data, 4, &k, &hex('c'), CalloutFault::Reset, Some(50));
-        assert_eq!(other, Outcome::Answer(Ok(BeginAnswer::Mismatch), vec![]));
+        assert_eq!(other, LocalAnswer::Answer(Ok(BeginAnswer::Mismatch), vec![]));
     }
 
     #[test]
@@ -467,13 +472,13 @@ mod tests {
         let (mut f, data) = fallback("");
         let (k, b) = (hex('a'), hex('b'));
         token(&f.begin(&data, 2, &k, &b, CalloutFault::Timeout, Some(0)));
-        assert_eq!(f.begin(&data, 3, &k, &b, CalloutFault::Timeout, Some(0)), Outcome::Wait);
-        assert_eq!(f.begin(&data, 4, &k, &b, CalloutFault::Timeout, Some(0)), Outcome::Wait);
+        assert_eq!(f.begin(&data, 3, &k, &b, CalloutFault::Timeout, Some(0)), LocalAnswer::Wait);
+        assert_eq!(f.begin(&data, 4, &k, &b, CalloutFault::Timeout, Some(0)), LocalAnswer::Wait);
         let due = f.due(&data, 100, |id| id == 4);
-        assert!(due.contains(&(4, Outcome::Answer(Err(CalloutFault::Timeout), vec![]))));
+        assert!(due.contains(&(4, LocalAnswer::Answer(Err(CalloutFault::Timeout), vec![]))));
         assert!(matches!(
             due.iter().find(|(id, _)| *id == 3),
-            Some((_, Outcome::Answer(Ok(BeginAnswer::Busy { .. }), _)))
+            Some((_, LocalAnswer::Answer(Ok(BeginAnswer::Busy { .. }), _)))
         ));
         assert!(!f.is_waiting());
     }
@@ -509,7 +514,9 @@ mod tests {
         let big = Record { status: 201, body: vec![7; 4096], ..Record::default() }.encode();
         f.commit(&data, &k, t, &b, &big, Some(1));
         match f.begin(&data, 3, &k, &b, CalloutFault::Reset, Some(2)) {
-            Outcome::Answer(Ok(BeginAnswer::Replay(r)), _) => assert!(r.body_omitted && r.body.is_empty()),
+            LocalAnswer::Answer(Ok(BeginAnswer::Replay(r)), _) => {
+                assert!(r.body_omitted && r.body.is_empty())
+            }
             other => panic!("{other:?}"),
         }
     }

@@ -18,7 +18,7 @@ use crate::store::record::Record;
 use crate::worker::breaker::{Breaker, Gate};
 use crate::worker::command::Command;
 use crate::worker::env::{Clock, Env};
-use crate::worker::fallback::{Fallback, Outcome, HAND_BACK_TOKEN};
+use crate::worker::fallback::{Fallback, LocalAnswer, HAND_BACK_TOKEN};
 use crate::worker::record_cache::{Cached, RecordCache};
 
 /// Whether the stream a call is for is still known to the coordinator, and still has a client.
@@ -37,7 +37,7 @@ pub enum Routed {
     Send(StoreCall),
     /// A `begin` answered without the store (the record cache, the local fallback): the outcome
     /// for the stream, then one more thing to count.
-    Answered(Outcome, Option<Metric>),
+    Answered(LocalAnswer, Option<Metric>),
     /// Carried out here: the commit or release of a local lock.
     Done,
 }
@@ -46,7 +46,7 @@ pub enum Routed {
 #[derive(Default)]
 pub struct Tick {
     /// Streams waiting for a local lock, with their answer now.
-    pub due: Vec<(u32, Outcome)>,
+    pub due: Vec<(u32, LocalAnswer)>,
     /// Local records to commit to the store.
     pub hand_backs: Vec<StoreCall>,
     /// How many local records there are, when scanned.
@@ -127,7 +127,10 @@ impl StorePath {
                     (&call, presence)
                 {
                     if let Some(answer) = self.cached_begin(key, body_hash, env) {
-                        return Routed::Answered(Outcome::Answer(Ok(answer), vec![Metric::CacheHits]), None);
+                        return Routed::Answered(
+                            LocalAnswer::Answer(Ok(answer), vec![Metric::CacheHits]),
+                            None,
+                        );
                     }
                     if self.skips_begin(env) {
                         let fault = CalloutFault::Skipped;
@@ -152,12 +155,12 @@ impl StorePath {
         presence: Presence,
         env: &dyn Env,
         out: &mut VecDeque<Command>,
-    ) -> Outcome {
+    ) -> LocalAnswer {
         let outcome = match &mut self.fallback {
             Some(f) if presence == Presence::Live => {
                 f.begin(env, stream, key, body_hash, fault, env.now_ms())
             }
-            _ => Outcome::Answer(Err(fault), vec![]),
+            _ => LocalAnswer::Answer(Err(fault), vec![]),
         };
         self.retick(out);
         outcome
@@ -175,12 +178,12 @@ impl StorePath {
         token: &LockToken,
         env: &dyn Env,
         out: &mut VecDeque<Command>,
-    ) -> Option<(Outcome, StoreCall)> {
+    ) -> Option<(LocalAnswer, StoreCall)> {
         let (Some(f), LockToken::Store(store_token)) = (&mut self.fallback, token) else { return None };
         let outcome = f.adopt(env, stream, key, body_hash, store_token, env.now_ms())?;
         let (key, token) = (key.to_string(), token.clone());
         let call = match &outcome {
-            Outcome::Answer(Ok(BeginAnswer::Replay(record)), _) => {
+            LocalAnswer::Answer(Ok(BeginAnswer::Replay(record)), _) => {
                 StoreCall::Commit { key, token, body_hash: body_hash.to_string(), record: record.encode() }
             }
             _ => StoreCall::Release { key, token },
