@@ -4,13 +4,13 @@
 #   make test     every test: rustfmt check, unit, clippy (native and wasm), end to end (real Envoy
 #                 + Redis); brings what it needs (see below), so a fresh clone needs nothing else
 #   make e2e      the end-to-end suite alone: E2E_TESTS (tests) and PYTEST_ARGS (-q) narrow it, e.g.
-#                 make e2e E2E_TESTS=tests/test_replay.py::test_first_executes_then_five_retries_replay
+#                 make e2e E2E_TESTS=tests/contract/test_replay.py::test_first_executes_then_five_retries_replay
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
 #   make demo     the local stack plus a scripted story against it; exits 0 if every step behaved
 #   make image    OCI images of the filter (/plugin.wasm) and idemstore (static, non-root), built
 #                 without a container engine: layouts and docker archives in target/images/
-#   make image-test  make image, then tests/test_images.py against what it wrote (make test runs
-#                 both: image before e2e)
+#   make image-test  make image, then tests/operations/test_images.py against what it wrote
+#                 (make test runs both: image before e2e)
 #   make bench    throughput (wrk) and latency against a no-filter Envoy in the same run, profiles;
 #                 medians and ratios to bench/RESULTS.md (about 15 minutes)
 #   make bench-quick  one short round of every throughput scenario (< 60 s); last line: the ratios
@@ -173,8 +173,9 @@ image-tools:
 	@command -v umoci >/dev/null 2>&1 || { $(call apt_install,umoci); }
 	@command -v skopeo >/dev/null 2>&1 || { $(call apt_install,skopeo); }
 
-# promtool (Debian's prometheus package, which also has the server): tests/test_dashboards.py
-# checks the alert rules with it and runs a real Prometheus against the test's stack.
+# promtool (Debian's prometheus package, which also has the server):
+# tests/operations/test_dashboards.py checks the alert rules with it and runs a real Prometheus
+# against the test's stack.
 promtool:
 	@command -v promtool >/dev/null 2>&1 || { $(call apt_install,prometheus); }
 
@@ -209,7 +210,8 @@ cargo-fuzz:
 ## ---- tests ---------------------------------------------------------------------------------
 
 # Runs every suite even when an earlier one fails, then fails if any did. `image` builds the
-# images that e2e's tests/test_images.py checks (IMAGE_TEST=1: without them it fails, not skips).
+# images that e2e's tests/operations/test_images.py checks (IMAGE_TEST=1: without them it fails,
+# not skips).
 test:
 	@failed=(); \
 	for t in fmt unit clippy image e2e; do \
@@ -315,7 +317,7 @@ MUSL_TARGET := $(HOST_ARCH)-unknown-linux-musl
 IDEMSTORE_STATIC := $(CURDIR)/target/$(MUSL_TARGET)/release/idemstore
 IMAGE_ARCH := $(patsubst x86_64,amd64,$(patsubst aarch64,arm64,$(HOST_ARCH)))
 IMAGE_EPOCH := $(or $(SOURCE_DATE_EPOCH),$(shell git log -1 --format=%ct 2>/dev/null),0)
-# What tests/test_images.py reads (make e2e and make image-test pass it).
+# What tests/operations/test_images.py reads (make e2e and make image-test pass it).
 IMAGE_TEST_ENV := IMAGES_DIR="$(CURDIR)/$(IMAGES_DIR)" IMAGE_TAG="$(IMAGE_TAG)" \
   IMAGE_FILTER_REF="$(WASM_IMAGE)" IMAGE_IDEMSTORE_REF="$(IDEMSTORE_IMAGE)" \
   IMAGE_IDEMSTORE_BIN="$(IDEMSTORE_STATIC)"
@@ -379,14 +381,14 @@ image: build-wasm build-idemstore-static image-tools
 	@echo "  skopeo copy oci:$(IMAGES_DIR)/idemstore:$(IMAGE_TAG) docker://$(IDEMSTORE_IMAGE)"
 	@echo "image: into a local Docker engine: docker load -i $(IMAGES_DIR)/<name>.tar (the compose demo runs localhost/idemstore:0.1.0, the default name)"
 
-# The images, then tests/test_images.py against them (make test runs the same test in e2e).
+# The images, then tests/operations/test_images.py against them (make test runs the same test in e2e).
 image-test: image venv
 	$(IMAGE_TEST_ENV) IMAGE_TEST=1 FILTER_WASM="$(WASM)" \
-	  timeout --kill-after=10 300 "$(TEST_PYTHON)" -m pytest tests/test_images.py $(PYTEST_ARGS)
+	  timeout --kill-after=10 300 "$(TEST_PYTHON)" -m pytest tests/operations/test_images.py $(PYTEST_ARGS)
 
 clean:
 	$(CARGO) clean
-	rm -rf tests/.logs tests/__pycache__ demo/__pycache__ fuzz/target
+	rm -rf tests/.logs tests/__pycache__ tests/*/__pycache__ demo/__pycache__ fuzz/target
 
 # `make distclean` also removes what .tools/ holds (Envoy, the test virtualenv).
 distclean: clean

@@ -916,7 +916,7 @@ def peer_section(summaries: list[Summary], peer: dict) -> str:
 
 def goals_section(summaries: list[Summary], peer: dict | None, rtt: dict | None = None,
                   filter_lat: dict | None = None) -> str:
-    """Issue 17's goals against this run's figures, and for each one missed where its time goes."""
+    """The performance goals against this run's figures, and for each one missed where its time goes."""
     by = {s.sc.name: s for s in summaries}
     rows = []
     misses = []
@@ -991,7 +991,7 @@ def goals_section(summaries: list[Summary], peer: dict | None, rtt: dict | None 
                                  "the filter crosses the filter Envoy's VM, an HTTP callout to idemstore and its Redis "
                                  f"script, and back (by process, µs: {by_process(f)}). What that buys is in the "
                                  "contract column: the peer ran burst keys and concurrent duplicates more than once.")
-    lines = ["## Goals", "", "Issue 17's goals for this machine, against the figures of this run (sections below).", "",
+    lines = ["## Goals", "", "The performance goals for this machine, against the figures of this run (sections below).", "",
              "| goal | measured | |", "|---|---|---|", *rows, ""]
     if misses:
         lines += ["Where the time goes, for each goal missed:", "", *misses, ""]

@@ -21,7 +21,7 @@ LISTENERS: dict[str, dict] = {
     # The subject from dynamic metadata, as jwt_authn would write it (here header_to_metadata
     # copies x-user into namespace `auth`, key `sub`, and removes the header).
     "subject_metadata": {"subject": {"metadata": {"filter": "auth", "path": ["sub"]}}},
-    # Record v2 (issue 14, test_record.py): no lock wait (a duplicate in flight is a 409 at
+    # Record format v2 (test_record.py): no lock wait (a duplicate in flight is a 409 at
     # once, retry-after from the lock's time left), other statuses kept, the fingerprint
     # widened to a header and compared as JSON, content types narrowed, and the old release
     # of answers too large to record.

@@ -1,4 +1,4 @@
-"""Issue 5: fault drills under steady load, durability of records, health checks of idemstore.
+"""Fault drills under steady load, durability of records, health checks of idemstore.
 
 Every drill runs real processes (Envoy 1.40 with the real filter, idemstore, Redis, the counting
 upstream; `support/store_double.py` where idemstore has to misbehave on purpose) while a bounded
@@ -19,12 +19,12 @@ case, with one more effect: a lock taken but never answered or released makes th
 retries wait and get 409 until lock_ttl_ms. The Redis Cluster drill allows for it; here the
 point is exact accounting.)
 
-With the local fallback (on by default, issue 16) an execution in the outage runs under the
-Envoy's local lock, its duplicates replay it, and its record is handed back to the store after:
-that execution then counts as the stored (guarded) one, so `degraded` (every execution without
-the store's lock) is at least the unguarded count and at most that plus `handed_back`. The
-per-call drills (slow store, garbage, no healthy endpoint) turn the fallback off: they are about
-each call failing open.
+With the local fallback (on by default; test_local_fallback.py) an execution in the outage runs
+under the Envoy's local lock, its duplicates replay it, and its record is handed back to the
+store after: that execution then counts as the stored (guarded) one, so `degraded` (every
+execution without the store's lock) is at least the unguarded count and at most that plus
+`handed_back`. The per-call drills (slow store, garbage, no healthy endpoint) turn the fallback
+off: they are about each call failing open.
 
 Figures (degraded requests, recovery times, hold times) go to the `note` fixture, for the
 README's "When things fail" section.
@@ -1108,7 +1108,7 @@ def test_drill_slow_store_is_bounded(run_dir, artifacts, upstream, note):
     envoy = None
     try:
         double.mode(answer="proxy", delay_ms=1500)
-        # Per call: the breaker off (test_breaker.py has the drill with it on).
+        # Per call: the breaker off (test_store_freeze.py has a store timing out with it on).
         cfg = {"store_timeout_ms": SLOW_TIMEOUT_MS, "lock_wait_ms": SLOW_WAIT_MS, "breaker_open_ms": 0,
                "local_fallback": False}
         envoy = drill_envoy(sub, "envoy", {"slow": cfg},
@@ -1293,7 +1293,7 @@ def test_drill_no_healthy_store_endpoint(run_dir, artifacts, upstream, note):
         blackhole = h.store_cluster(hole.port, name="store_blackhole")
         clusters = [nohosts, refused, unhealthy, panic, blackhole]
         names = ["nohosts", "refused", "unhealthy", "unhealthy_panic", "blackhole"]
-        # Per call: the breaker off (test_breaker.py has the blackhole with it on).
+        # Per call: the breaker off (test_store_freeze.py has a store timing out with it on).
         cfg = {"store_timeout_ms": NH_TIMEOUT_MS, "lock_wait_ms": NH_WAIT_MS, "breaker_open_ms": 0,
                "local_fallback": False}
         envoy = drill_envoy(sub, "envoy", {n: {**cfg, "store_cluster": f"store_{n}"} for n in names}, upstream.port,

@@ -1,4 +1,4 @@
-"""Issue 3: exactly once across replicas, under bursts.
+"""Exactly once across replicas, under bursts.
 
 Several filter Envoys (each its own process, two workers) and several idemstores on one Redis,
 as production runs them (`support/replicas.py`); bursts of concurrent duplicates spread round-robin

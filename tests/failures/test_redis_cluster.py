@@ -1,4 +1,4 @@
-"""Issue 5: idemstore on a real Redis Cluster (3 masters, 3 replicas), and a master killed.
+"""Exactly once on idemstore over a real Redis Cluster (3 masters, 3 replicas), a master killed.
 
 Two filter Envoys and two idemstores whose `--redis-cluster` lists all six nodes
 (`replicas.py`, backend "cluster"; the cluster itself is `redis_cluster.py`). The filter hands

@@ -1,4 +1,4 @@
-"""Issue 16: the local fallback. While the store (idemstore or its Redis) is down and
+"""The local fallback. While the store (idemstore or its Redis) is down and
 `failure_mode` is `open`, each Envoy process still runs a key once: a process-wide lock in
 Envoy's shared data (every worker sees it) and a local record of the answer.
 

@@ -1,4 +1,4 @@
-"""Section 4, faults: the store goes away; fail open (default) or closed."""
+"""Faults: the store goes away; fail open (default) or closed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Contract items 5 and 7: duplicates in flight, the lock wait, retention."""
+"""The contract under concurrency: duplicates in flight, the lock wait, retention."""
 
 from __future__ import annotations
 

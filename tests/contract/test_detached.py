@@ -1,4 +1,4 @@
-"""Issue 4, "Survive the lost client": `detached_execution`, `detached_timeout_ms` and
+"""Surviving the lost client: `detached_execution`, `detached_timeout_ms` and
 `store_key_header`.
 
 With `detached_execution` a guarded request that acquired the lock is not resumed through the
@@ -98,7 +98,8 @@ def deltas(s: Stack, before: dict[str, int]) -> dict[str, int]:
 
 def expected_store_key(client_key: str, subject: str = "anon:127.0.0.1", method: str = "POST",
                        route: str = "orders") -> str:
-    """DESIGN section 3: SHA-256 over the length-prefixed subject, method, route and key."""
+    """The store key (docs/configuration.md): SHA-256 over the length-prefixed subject, method,
+    route and key."""
     d = hashlib.sha256(b"idempotency-key/v1")
     for f in (subject, method, route, client_key):
         b = f.encode()

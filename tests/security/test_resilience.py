@@ -2,8 +2,9 @@
 that lies, oversized or repeated headers, trailers, bodies cut short) leave the worker serving.
 Each answer either is stored and replayed byte for byte, or is passed on and its lock released
 (the retry runs again); no `wasm.*` failure counter moves and no panic is logged. A store that
-answers garbage is the fault drill's (`test_drills.py::test_drill_garbage_store_fails_open`).
-Every shipped Envoy config sets `failure_policy: FAIL_RELOAD`."""
+answers garbage is the fault drill's
+(`failures/test_drills.py::test_drill_garbage_store_fails_open`). Every shipped Envoy config sets
+`failure_policy: FAIL_RELOAD`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Record v2 (issue 14): what a record answers and what it holds.
+"""Record format v2: what a record answers and what it holds.
 
 The fingerprint covers the target (method, path and query as received) and the headers in
 `fingerprint_headers`, besides the body (as JSON under `fingerprint_json`); every `2xx` is kept

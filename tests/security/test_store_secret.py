@@ -1,4 +1,4 @@
-"""idemstore's shared secret (issue 6): the filter sends `store_secret` (or the environment
+"""idemstore's shared secret: the filter sends `store_secret` (or the environment
 variable `store_secret_env` names) as `x-idem-secret`; a store that refuses it is a store fault,
 so the filter fails open (counted on `degraded`) or closed, and nothing is replayed."""
 

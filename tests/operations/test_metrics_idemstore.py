@@ -1,4 +1,4 @@
-"""idemstore's `GET /metrics` (issue 7 item 5) behind a real Envoy and filter: the Prometheus
+"""idemstore's `GET /metrics` behind a real Envoy and filter: the Prometheus
 text exposition (version 0.0.4) counts what the filter asked of the store, exactly."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Issue 6, item 1: real identity. Envoy's own JWT filter (envoy.filters.http.jwt_authn) runs
-before the idempotency filter, with a JWKS generated at run time (tests/jwt_tokens.py), and the
+"""Real identity. Envoy's own JWT filter (envoy.filters.http.jwt_authn) runs
+before the idempotency filter, with a JWKS generated at run time (support/jwt_tokens.py), and the
 filter's subject is the verified `sub` claim read from jwt_authn's dynamic metadata.
 
 One Envoy per backend (module scope, on the backend's idemstore and the shared counting

@@ -1,4 +1,5 @@
-"""Contract items 2, 3, 4 and 6: store, replay, mismatch, what is not stored."""
+"""Store and replay: the first request executes and is stored, its retries replay it, the same
+key with another body is a 422, and what is not stored."""
 
 from __future__ import annotations
 

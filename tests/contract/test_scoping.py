@@ -1,4 +1,4 @@
-"""Section 3: records are scoped by subject (caller) and route."""
+"""Records are scoped by subject (caller) and route."""
 
 from __future__ import annotations
 

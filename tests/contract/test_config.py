@@ -1,4 +1,4 @@
-"""Section 7: an invalid plugin configuration is refused and the log names the key."""
+"""An invalid plugin configuration is refused and the log names the key."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ INVALID = {
                                       ["subject.metadata.path"]),
     "store_cluster_empty": ({"store_cluster": ""}, ["store_cluster"]),
     "top_level_list": (["store_cluster", "idemstore"], []),
-    # The record cache (issue 8).
+    # The record cache.
     "record_cache_entries_too_many": ({"store_cluster": "idemstore", "record_cache_entries": 100001},
                                       ["record_cache_entries", "0 to 100000"]),
     "breaker_failures_zero": ({"store_cluster": "idemstore", "breaker_failures": 0}, ["breaker_failures", "1 to 1000"]),
@@ -67,7 +67,7 @@ INVALID = {
                                       ["local_record_entries", "0 to 1000000"]),
     "record_cache_bytes_negative": ({"store_cluster": "idemstore", "record_cache_bytes": -1},
                                     ["record_cache_bytes"]),
-    # Inbox mode (issue 9).
+    # Inbox mode.
     "inbox_without_mode": ({"store_cluster": "idemstore", "inbox": {"missing_id": "pass"}}, ["inbox", "mode"]),
     "mode_unknown": ({"store_cluster": "idemstore", "mode": "outbox"}, ["mode", "inbox"]),
     "inbox_message_id_unknown_form": ({"store_cluster": "idemstore", "mode": "inbox",
@@ -89,7 +89,7 @@ INVALID = {
                                ["require_key", "inbox"]),
     "inbox_with_subject": ({"store_cluster": "idemstore", "mode": "inbox", "subject": {"header": "x-user"}},
                            ["subject", "inbox"]),
-    # The record and the fingerprint (issue 14).
+    # The record (format v2) and the fingerprint.
     "lock_wait_negative": ({"store_cluster": "idemstore", "lock_wait_ms": -1}, ["lock_wait_ms", "0 to 60000"]),
     "fingerprint_headers_upper_case": ({"store_cluster": "idemstore", "fingerprint_headers": ["X-Tenant"]},
                                        ["fingerprint_headers"]),

@@ -1,4 +1,4 @@
-"""Contract items 1, 8 and the body limit: which requests are guarded, key syntax, 413."""
+"""Which requests are guarded, the key's syntax, and the body limit (413)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 7: the deployment artefacts under envoy/ and the Dockerfiles, checked without a
+"""The deployment artefacts under envoy/ and the Dockerfiles, checked without a
 container engine or a cluster.
 
 * Every Envoy bootstrap under envoy/ (a YAML file with `static_resources`) passes
@@ -6,8 +6,8 @@ container engine or a cluster.
   the wasm and runs the filter's configuration check (the negative controls below show it), and
   resolves no DNS: the compose config's STRICT_DNS service names (`orders`, `idemstore`) are
   validated as they are, nothing else is rewritten. envoy/envoy.yaml and envoy/jwt-authn.yaml are
-  validated by tests/test_drills.py and tests/test_identity.py; this file covers the others and
-  checks that none is left out.
+  validated by tests/failures/test_drills.py and tests/security/test_identity.py; this file
+  covers the others and checks that none is left out.
 * The Istio manifests (envoy/istio/*.yaml): documents well formed; the WasmPlugin's
   `pluginConfig` accepted by the filter, rendered the way Istio renders it (JSON in a
   StringValue, no `allow_on_headers_stop_iteration`, `vmConfig.env` as host_env_keys) with the
@@ -46,8 +46,8 @@ DEFAULT_MAX_BODY_BYTES = 1048576  # the filter's default (README, "Configuration
 
 # Bootstraps another test already runs through `envoy --mode validate` (with the built wasm).
 VALIDATED_ELSEWHERE = {
-    "envoy/envoy.yaml": "tests/test_drills.py",
-    "envoy/jwt-authn.yaml": "tests/test_identity.py",
+    "envoy/envoy.yaml": "tests/failures/test_drills.py",
+    "envoy/jwt-authn.yaml": "tests/security/test_identity.py",
 }
 
 

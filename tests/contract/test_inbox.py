@@ -1,4 +1,4 @@
-"""Issue 9: the inbox. Exactly-once handling of messages a broker pushes over HTTP.
+"""The inbox: exactly-once handling of messages a broker pushes over HTTP.
 
 A real Envoy (filter in `"mode": "inbox"`) in front of `inbox_app.py`, which counts side effects
 per event id. Binary-mode CloudEvents, structured-mode CloudEvents and Google Pub/Sub push bodies
