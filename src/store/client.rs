@@ -180,7 +180,7 @@ pub fn batch_callout(cfg: &Config, commits: &[&StoreCall]) -> Callout {
 }
 
 /// Why an HTTP callout gave no usable answer: a store call, or a detached execution's call to
-/// the upstream (see `detached`).
+/// the upstream (see `request::detached`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CalloutFault {
     /// The callout could not be dispatched (unknown cluster, host error).
@@ -193,7 +193,7 @@ pub enum CalloutFault {
     Status(u16),
     /// An answer that does not follow the protocol.
     Garbage(&'static str),
-    /// Not sent: the store failed recently (see `breaker`).
+    /// Not sent: the store failed recently (see `worker::breaker`).
     Skipped,
 }
 

@@ -1,5 +1,5 @@
 //! What the coordinator does when the store cannot answer a `begin` (`failure_mode: open`,
-//! `local_fallback`): ask the process-wide local store (`local`) instead. The first request with
+//! `local_fallback`): ask the process-wide local store (`local_store`) instead. The first request with
 //! a key takes the local lock and runs (counted `degraded` and `local_locks`: the store's
 //! guarantee is gone, this Envoy's holds), its answer becomes a local record; duplicates on any
 //! worker wait for it (polled on the root's tick, up to `lock_wait_ms`) and replay it, or get
@@ -9,7 +9,7 @@
 //! A local lock is a [`LockToken::Local`]: the machine passes it back in its commit or release
 //! like the store's, and the worker's store path sends those here instead of to the store.
 //!
-//! While the store answers, what this Envoy does with it is mirrored here (see `local`): a lock
+//! While the store answers, what this Envoy does with it is mirrored here (see `local_store`): a lock
 //! the store granted ([`Fallback::adopt`]), a record sent ([`Fallback::sent`]) or not taken
 //! ([`Fallback::keep`]), a lock released ([`Fallback::released`]). That costs a shared-data write
 //! per lock and per record, and is what keeps one execution per key within this Envoy when the

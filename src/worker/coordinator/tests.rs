@@ -518,7 +518,7 @@ fn while_the_store_fails_duplicates_wait_for_the_local_lock_and_replay() {
 }
 
 /// Random interleavings of many streams, store answers and faults, wake-ups, stream ends and
-/// clock jumps, each run checked by [`World`] (see `coordinator_sim`). `fuzz/` drives the same
+/// clock jumps, each run checked by [`World`] (see `sim::worker`). `fuzz/` drives the same
 /// world from its own inputs.
 #[test]
 fn random_interleavings_keep_the_coordinator_invariants() {
