@@ -122,19 +122,30 @@ impl Fallback {
         let Some(now) = now_ms else { return LocalAnswer::Answer(Err(fault), vec![]) };
         let owner = self.owner_base | u64::from(self.next_owner);
         match self.store.begin(data, key, body_hash, owner, now) {
-            Begin::Held { .. } if self.lock_wait_ms > 0 => {
-                let deadline_ms = now.saturating_add(self.lock_wait_ms);
-                self.waiters.push(Waiter {
-                    stream,
-                    key: key.into(),
-                    body_hash: body_hash.into(),
-                    fault,
-                    deadline_ms,
-                });
-                LocalAnswer::Wait
-            }
+            Begin::Held { .. } if self.lock_wait_ms > 0 => self.wait(stream, key, body_hash, fault, now),
             found => self.answer(found, owner, fault),
         }
+    }
+
+    /// `stream` waits (up to `lock_wait_ms` from `now`) for the local lock another request
+    /// holds; `fault` is what it gets if the local store cannot help after all.
+    fn wait(
+        &mut self,
+        stream: u32,
+        key: &str,
+        body_hash: &str,
+        fault: CalloutFault,
+        now: u64,
+    ) -> LocalAnswer {
+        let deadline_ms = now.saturating_add(self.lock_wait_ms);
+        self.waiters.push(Waiter {
+            stream,
+            key: key.into(),
+            body_hash: body_hash.into(),
+            fault,
+            deadline_ms,
+        });
+        LocalAnswer::Wait
     }
 
     fn answer(&mut self, found: Begin, owner: u64, fault: CalloutFault) -> LocalAnswer {
@@ -185,16 +196,7 @@ impl Fallback {
                 None
             }
             Begin::Held { .. } if self.lock_wait_ms > 0 => {
-                let deadline_ms = now.saturating_add(self.lock_wait_ms);
-                let fault = CalloutFault::Skipped;
-                self.waiters.push(Waiter {
-                    stream,
-                    key: key.into(),
-                    body_hash: body_hash.into(),
-                    fault,
-                    deadline_ms,
-                });
-                Some(LocalAnswer::Wait)
+                Some(self.wait(stream, key, body_hash, CalloutFault::Skipped, now))
             }
             found @ (Begin::Replay(_) | Begin::Mismatch | Begin::Held { .. }) => {
                 Some(self.answer(found, owner, CalloutFault::Skipped))
