@@ -7,7 +7,8 @@
 
 #![no_main]
 
-use idempotency_filter::sim::worker::{Rng, World};
+use idempotency_filter::sim::worker::tally::Rng;
+use idempotency_filter::sim::worker::World;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

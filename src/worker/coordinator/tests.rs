@@ -1,6 +1,7 @@
 use super::*;
 use crate::sim::request::MockView;
-use crate::sim::worker::{Rng, SimEnv, Tally, World};
+use crate::sim::worker::tally::{Rng, SimEnv, Tally};
+use crate::sim::worker::World;
 use crate::store::record::Record;
 use crate::worker::command::Dispatch;
 use idem_protocol as proto;
