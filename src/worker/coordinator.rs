@@ -346,7 +346,7 @@ impl Coordinator {
         let stream_alive = match outcome {
             Answered::Begin(answer) => match (&job.call, answer) {
                 (Call::Store(StoreCall::Begin { key, body_hash }), Err(fault))
-                    if self.path.has_fallback() && presence != Presence::Unknown =>
+                    if presence != Presence::Unknown =>
                 {
                     let outcome = self.path.begin_failed(
                         job.stream,
@@ -362,7 +362,7 @@ impl Coordinator {
                     alive
                 }
                 (Call::Store(StoreCall::Begin { key, body_hash }), Ok(BeginAnswer::Locked { token }))
-                    if self.path.has_fallback() && presence != Presence::Unknown =>
+                    if presence != Presence::Unknown =>
                 {
                     let (more, alive) =
                         match self.path.adopt(job.stream, key, body_hash, &token, env, &mut self.commands) {

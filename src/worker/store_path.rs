@@ -347,12 +347,6 @@ impl StorePath {
         }
     }
 
-    /// Whether a local fallback runs at all (`failure_mode: open`, `local_fallback`, and the
-    /// shared data set up).
-    pub fn has_fallback(&self) -> bool {
-        self.fallback.is_some()
-    }
-
     #[cfg(test)]
     pub fn breaker_is_closed(&self) -> bool {
         self.breaker.is_closed()
