@@ -91,9 +91,11 @@ fn header_digest(values: &[Vec<u8>]) -> Digest32 {
 /// shift), serialized compactly: insignificant whitespace never counts, member order counts
 /// unless `canonical`. A body that does not parse is hashed as its raw bytes, like without the
 /// option (behind a tag of its own, so that no raw body can spell a JSON body's hashed text).
-/// Numbers keep their exact text (`1.0` is not `1`), strings their decoded value.
+/// Numbers keep their exact text (`1.0` is not `1`), strings their decoded value. A body that
+/// spells serde_json's number token (see [`spells_number_token`]) is hashed as raw bytes too.
 pub fn json_body_hash(body: &[u8], opts: &JsonPrint) -> Digest32 {
-    let Ok(mut doc) = serde_json::from_slice::<Value>(body) else {
+    let parsed = serde_json::from_slice::<Value>(body).ok().filter(|_| !spells_number_token(body));
+    let Some(mut doc) = parsed else {
         let mut h = Sha256::new();
         h.update(b"idempotency-raw/v1\n");
         h.update(body);
@@ -106,6 +108,42 @@ pub fn json_body_hash(body: &[u8], opts: &JsonPrint) -> Digest32 {
     text.extend_from_slice(b"idempotency-json/v1\n");
     write_value(&mut text, &doc, opts.canonical);
     Sha256::digest(&text).into()
+}
+
+/// The key serde_json (with `arbitrary_precision`, which keeps numbers' exact text) reads a
+/// number through: its parser takes the object `{"$serde_json::private::Number":"123"}` for the
+/// number `123`, so such a body would hash as another body does.
+const NUMBER_TOKEN: &str = "$serde_json::private::Number";
+
+/// Whether a JSON string in `body` (a key or a value, escaped or not) is [`NUMBER_TOKEN`]: such
+/// a body is compared as bytes, never as JSON. No real document needs it.
+pub fn spells_number_token(body: &[u8]) -> bool {
+    // A string can only spell the token with a `$`, raw or escaped.
+    if !body.contains(&b'$') && !body.windows(6).any(|w| w == b"\\u0024") {
+        return false;
+    }
+    let mut i = 0;
+    while i < body.len() {
+        if body[i] != b'"' {
+            i += 1;
+            continue;
+        }
+        // A string literal: to the next quote that no backslash escapes.
+        let start = i;
+        i += 1;
+        while i < body.len() && body[i] != b'"' {
+            i += if body[i] == b'\\' { 2 } else { 1 };
+        }
+        let literal = body.get(start..=i).unwrap_or_default();
+        i += 1;
+        // Escaped, the token is at most 6 bytes a character.
+        if literal.len() <= 2 + 6 * NUMBER_TOKEN.len()
+            && serde_json::from_slice::<String>(literal).is_ok_and(|s| s == NUMBER_TOKEN)
+        {
+            return true;
+        }
+    }
+    false
 }
 
 /// Takes out what an RFC 6901 pointer points at, if anything.
@@ -290,6 +328,26 @@ mod tests {
         // Found by fuzz/ (config): `01` and `+1` are not indexes (serde_json's pointer agrees).
         for odd in ["/items/01", "/items/+1", "/items/-1", "/items/ 1"] {
             assert_ne!(h(odd, r#"{"items":[1,2]}"#), h(odd, r#"{"items":[1,3]}"#), "{odd}");
+        }
+    }
+
+    #[test]
+    fn serde_jsons_number_token_cannot_pass_for_a_number() {
+        let opts = JsonPrint { canonical: true, ignore: vec![] };
+        let number = json_body_hash(b"123", &opts);
+        for body in [
+            &br#"{"$serde_json::private::Number":"123"}"#[..],
+            br#"{"\u0024serde_json::private::Number":"123"}"#,
+            br#"{"a":{"$serde_json::private::Number":"123"}}"#,
+        ] {
+            assert!(spells_number_token(body), "{}", String::from_utf8_lossy(body));
+            assert_ne!(json_body_hash(body, &opts), number, "{}", String::from_utf8_lossy(body));
+            let raw: Digest32 =
+                Sha256::new().chain_update(b"idempotency-raw/v1\n").chain_update(body).finalize().into();
+            assert_eq!(json_body_hash(body, &opts), raw, "compared as bytes");
+        }
+        for body in [&br#"{"price":"$12","a\"$":"x"}"#[..], br#"["$serde_json::private::Numbe"]"#, b"{}"] {
+            assert!(!spells_number_token(body), "{}", String::from_utf8_lossy(body));
         }
     }
 }

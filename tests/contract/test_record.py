@@ -488,6 +488,21 @@ def test_fingerprint_json_compares_a_non_json_body_as_bytes(stack):
     assert stack.upstream.count(key=key) == 1
 
 
+
+def test_fingerprint_json_never_takes_serde_jsons_number_key_for_a_number(stack):
+    """The JSON parser reads `{"$serde_json::private::Number":"123"}` as the number 123: such a
+    body is compared as bytes, so a retry with the body `123` is another request, not a replay."""
+    key = new_key()
+    post = lambda body: stack.post("/orders", body, key, listener="fingerprint", headers=[("x-tenant", "t1")])
+    token_body = '{"$serde_json::private::Number":"123"}'
+    first = post(token_body)
+    assert_executed(first, 201)
+    assert_replay_of(post(token_body), first)
+    for other in ["123", '{"\\u0024serde_json::private::Number":"123"}', ' {"$serde_json::private::Number":"123"}']:
+        doc = assert_problem(post(other), 422, raw_key=key, code="key-reused")
+        assert doc["differs"] == "body", (other, doc)
+    assert stack.upstream.count(key=key) == 1
+
 # --------------------------------------------------------------------------------------------
 # j. store_content_types narrows; k. streams are never kept
 # --------------------------------------------------------------------------------------------
