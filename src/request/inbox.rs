@@ -18,6 +18,7 @@ use std::fmt;
 
 use crate::config::values::MessageIdSource;
 use crate::http::headers::MediaType;
+use crate::request::fingerprint::spells_number_token;
 
 pub const STRUCTURED: &str = "application/cloudevents+json";
 pub const BATCH: &str = "application/cloudevents-batch+json";
@@ -127,6 +128,8 @@ pub fn from_body(src: &MessageIdSource, body: &[u8], max_len: usize) -> Result<M
             let id = match doc.pointer(pointer) {
                 None | Some(Value::Null) => return Err(IdError::Missing),
                 Some(Value::String(s)) => s.as_bytes().to_vec(),
+                // An object serde_json reads as a number is not one (see `spells_number_token`).
+                Some(Value::Number(_)) if spells_number_token(body) => return Err(IdError::NotAString),
                 Some(Value::Number(n)) => n.to_string().into_bytes(),
                 Some(_) => return Err(IdError::NotAString),
             };
@@ -317,7 +320,11 @@ mod tests {
         for body in [&b""[..], b"nope", br#"{"message":{}}"#, br#"{"message":{"messageId":null}}"#, b"[]"] {
             assert_eq!(from_body(&src, body, 255), Err(IdError::Missing), "{body:?}");
         }
-        for body in [&br#"{"message":{"messageId":true}}"#[..], br#"{"message":{"messageId":{"a":1}}}"#] {
+        for body in [
+            &br#"{"message":{"messageId":true}}"#[..],
+            br#"{"message":{"messageId":{"a":1}}}"#,
+            br#"{"message":{"messageId":{"$serde_json::private::Number":"12345"}}}"#,
+        ] {
             assert_eq!(from_body(&src, body, 255), Err(IdError::NotAString), "{body:?}");
         }
         assert_eq!(from_body(&src, br#"{"message":{"messageId":""}}"#, 255), Err(IdError::Empty));
