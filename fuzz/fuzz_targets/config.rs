@@ -59,7 +59,6 @@ fuzz_target!(|data: &[u8]| {
 });
 
 fn check(c: &Config) {
-    assert!(!c.store_cluster.is_empty());
     let raw = serde_json::to_value(c.to_raw()).expect("serializes");
     for key in config::SIMPLE_KEYS {
         let value = raw.get(key.name).unwrap_or_else(|| panic!("{} missing from to_raw", key.name));
@@ -147,6 +146,15 @@ fn check(c: &Config) {
             assert!(!filter.is_empty());
             assert!(!path.is_empty() && path.iter().all(|p| !p.is_empty()), "{path:?}");
         }
+        Subject::Property(path) => {
+            assert!(!path.is_empty() && path.iter().all(|p| !p.is_empty()), "{path:?}")
+        }
+    }
+    if c.mode == Mode::Mint {
+        assert!(!c.require_key && !c.detached_execution && c.store_key_header.is_none());
+        assert_eq!(c.subject, Subject::ClientIp);
+    } else {
+        assert!(!c.store_cluster.is_empty());
     }
 }
 

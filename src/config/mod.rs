@@ -120,7 +120,10 @@ impl Config {
 
     /// Checks every key of a configuration as written and builds the configuration.
     pub fn validate(mut raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        // The sending side (mint mode) makes no store calls.
+        let mint = matches!(&raw.mode, Some(Value::String(m)) if m == "mint");
         let store_cluster = match raw.store_cluster.take() {
+            None if mint => String::new(),
             None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
             Some(v) => non_empty_string("store_cluster", v)?,
         };
@@ -203,6 +206,23 @@ impl Config {
         if body_omitted_header == replay_header {
             return Err(err("body_omitted_header", "must differ from `replay_header`"));
         }
+        if mode == Mode::Mint {
+            // The sending side only adds keys; the guard where the request arrives does the rest.
+            for (key, set) in [
+                ("require_key", simple.require_key),
+                ("detached_execution", simple.detached_execution),
+                ("store_key_header", store_key_header.is_some()),
+                ("subject", subject != Subject::ClientIp),
+            ] {
+                if set {
+                    return Err(err(
+                        key,
+                        "is not used in mint mode (it adds keys for the guard where the request \
+                         arrives, and makes no store calls)",
+                    ));
+                }
+            }
+        }
         if let Mode::Inbox(inbox) = &mode {
             // The message id is the identity: a redelivery may differ in anything else.
             for (key, set) in [
@@ -272,9 +292,11 @@ impl Config {
             Subject::ClientIp => Value::Null,
             Subject::Header(h) => json!({ "header": h }),
             Subject::Metadata { filter, path } => json!({ "metadata": { "filter": filter, "path": path } }),
+            Subject::Property(path) => json!({ "property": path }),
         };
         let (mode, inbox) = match &self.mode {
             Mode::IdempotencyKey => ("idempotency_key", None),
+            Mode::Mint => ("mint", None),
             Mode::Inbox(Inbox { message_id, missing_id, duplicate_status }) => {
                 let message_id = match message_id {
                     MessageIdSource::CloudEvents => json!("cloudevents"),
@@ -294,7 +316,8 @@ impl Config {
             }
         };
         RawConfig {
-            store_cluster: Some(json!(self.store_cluster)),
+            // Empty only in mint mode, where it is not required.
+            store_cluster: Some(json!(self.store_cluster)).filter(|_| !self.store_cluster.is_empty()),
             methods: Some(json!(self.methods)),
             replay_header: Some(json!(self.replay_header)),
             replay_headers: Some(json!(self.replay_headers)),
@@ -332,7 +355,7 @@ impl Config {
     pub fn inbox(&self) -> Option<&Inbox> {
         match &self.mode {
             Mode::Inbox(inbox) => Some(inbox),
-            Mode::IdempotencyKey => None,
+            Mode::IdempotencyKey | Mode::Mint => None,
         }
     }
 

@@ -179,7 +179,8 @@ pub fn store_content_types(v: Value) -> Result<Vec<MediaPattern>, ConfigError> {
 
 pub fn subject(v: Value) -> Result<Subject, ConfigError> {
     let key = "subject";
-    let shape = "must be {\"header\": NAME} or {\"metadata\": {\"filter\": NAME, \"path\": [..]}}";
+    let shape = "must be {\"header\": NAME}, {\"metadata\": {\"filter\": NAME, \"path\": [..]}} or \
+                 {\"property\": [..]}";
     let Value::Object(mut obj) = v else {
         return Err(err(key, shape));
     };
@@ -188,6 +189,13 @@ pub fn subject(v: Value) -> Result<Subject, ConfigError> {
     }
     if let Some(h) = obj.remove("header") {
         return Ok(Subject::Header(header_name("subject.header", h)?));
+    }
+    if let Some(p) = obj.remove("property") {
+        let path = string_list("subject.property", p)?;
+        if path.is_empty() {
+            return Err(err("subject.property", "must name at least one segment"));
+        }
+        return Ok(Subject::Property(path));
     }
     let Some(Value::Object(mut meta)) = obj.remove("metadata") else {
         return Err(err(key, shape));
@@ -211,15 +219,16 @@ pub fn subject(v: Value) -> Result<Subject, ConfigError> {
 
 /// `mode` and the `inbox` object, which only inbox mode takes.
 pub fn mode(mode: Option<Value>, inbox: Option<Value>) -> Result<Mode, ConfigError> {
-    let is_inbox = match mode {
-        None => false,
-        Some(Value::String(s)) if s == "idempotency_key" => false,
-        Some(Value::String(s)) if s == "inbox" => true,
-        Some(_) => return Err(err("mode", "must be \"idempotency_key\" or \"inbox\"")),
+    let other = match mode {
+        None => Some(Mode::IdempotencyKey),
+        Some(Value::String(s)) if s == "idempotency_key" => Some(Mode::IdempotencyKey),
+        Some(Value::String(s)) if s == "mint" => Some(Mode::Mint),
+        Some(Value::String(s)) if s == "inbox" => None,
+        Some(_) => return Err(err("mode", "must be \"idempotency_key\", \"inbox\" or \"mint\"")),
     };
-    if !is_inbox {
+    if let Some(mode) = other {
         return match inbox {
-            None => Ok(Mode::IdempotencyKey),
+            None => Ok(mode),
             Some(_) => Err(err("inbox", "is only allowed with `\"mode\": \"inbox\"`")),
         };
     }

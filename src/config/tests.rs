@@ -61,6 +61,8 @@ fn written_back_it_is_the_same_configuration() {
                 "local_record_entries":10,"local_record_bytes":4096}"#,
         r#"{"store_cluster":"s","mode":"inbox","inbox":{"message_id":{"json_pointer":"/m/id"},
                 "missing_id":"pass","duplicate_status":202}}"#,
+        r#"{"mode":"mint","methods":["POST"]}"#,
+        r#"{"store_cluster":"s","subject":{"property":["connection","uri_san_peer_certificate"]}}"#,
     ] {
         let c = parse(json).unwrap();
         let raw = c.to_raw();
@@ -436,5 +438,37 @@ fn every_simple_key_takes_the_ends_of_its_range() {
             let raw = serde_json::to_value(c.to_raw()).unwrap();
             assert_eq!(raw.get(key.name), Some(&serde_json::json!(n)), "{json}");
         }
+    }
+}
+
+#[test]
+fn mint_mode_needs_no_store_and_refuses_what_only_the_guard_uses() {
+    let c = parse(r#"{"mode":"mint"}"#).unwrap();
+    assert_eq!((&c.mode, c.store_cluster.as_str()), (&Mode::Mint, ""));
+    assert_eq!(c.inbox(), None);
+    assert!(parse(r#"{"mode":"mint","store_cluster":""}"#).is_err(), "given, it must be a cluster");
+    for (extra, key) in [
+        (r#""require_key":true"#, "require_key"),
+        (r#""detached_execution":true"#, "detached_execution"),
+        (r#""store_key_header":"x-k""#, "store_key_header"),
+        (r#""subject":{"header":"x-user"}"#, "subject"),
+        (r#""inbox":{}"#, "inbox"),
+    ] {
+        let e = parse(&format!(r#"{{"mode":"mint",{extra}}}"#)).unwrap_err();
+        assert_eq!(e.key, key, "{e}");
+    }
+    let e = parse(r#"{"store_cluster":"s","mode":"minted"}"#).unwrap_err();
+    assert!(e.to_string().contains(r#""mint""#), "{e}");
+}
+
+#[test]
+fn subject_from_a_property() {
+    let c =
+        parse(r#"{"store_cluster":"s","subject":{"property":["connection","uri_san_peer_certificate"]}}"#)
+            .unwrap();
+    assert_eq!(c.subject, Subject::Property(vec!["connection".into(), "uri_san_peer_certificate".into()]));
+    for bad in [r#"{"property":[]}"#, r#"{"property":"connection"}"#, r#"{"property":[""]}"#] {
+        let e = parse(&format!(r#"{{"store_cluster":"s","subject":{bad}}}"#)).unwrap_err();
+        assert_eq!(e.key, "subject.property", "{bad}: {e}");
     }
 }

@@ -39,6 +39,9 @@ pub enum Subject {
         filter: String,
         path: Vec<String>,
     },
+    /// An Envoy property, e.g. `["connection", "uri_san_peer_certificate"]`: the peer
+    /// certificate's URI SAN (a SPIFFE id under Istio mTLS), so that callers are workloads.
+    Property(Vec<String>),
 }
 
 /// What the filter guards: clients' `Idempotency-Key`s, or messages a broker pushes.
@@ -48,6 +51,10 @@ pub enum Mode {
     IdempotencyKey,
     /// The inbox: the message id of a pushed event is the key (`"mode": "inbox"`).
     Inbox(Inbox),
+    /// The sending side (`"mode": "mint"`): a guarded request without a key gets a random one
+    /// before the router, so that every retry and hedged attempt of it carries the same key to
+    /// the guard where it arrives. No store calls.
+    Mint,
 }
 
 /// Inbox mode: exactly-once handling of messages a broker pushes over HTTP.

@@ -87,4 +87,22 @@ impl StreamView for HostView {
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
         hostcalls::get_buffer(BufferType::HttpResponseBody, start, len).ok().map(Option::unwrap_or_default)
     }
+
+    fn random_bytes(&self) -> Option<[u8; 16]> {
+        let mut buf = [0u8; 16];
+        // SAFETY: `random_get` writes exactly `buf.len()` bytes into `buf`, which outlives the
+        // call; Envoy implements it over its own random source (std's `RandomState` relies on
+        // it too).
+        let errno = unsafe { wasi::random_get(buf.as_mut_ptr(), buf.len()) };
+        (errno == 0).then_some(buf)
+    }
+}
+
+/// WASI's random source, which std does not expose.
+mod wasi {
+    #[link(wasm_import_module = "wasi_snapshot_preview1")]
+    extern "C" {
+        /// Fills `buf` with `len` random bytes; 0 on success, else a WASI errno.
+        pub fn random_get(buf: *mut u8, len: usize) -> u16;
+    }
 }

@@ -52,10 +52,12 @@ pub enum Metric {
     HandedBack,
     /// Local records pushed out by the bounds before they were handed back.
     HandBackDropped,
+    /// Mint mode: an `Idempotency-Key` added to a guarded request sent without one.
+    Minted,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 21] = [
+    pub const ALL: [Metric; 22] = [
         Metric::Guarded,
         Metric::Replayed,
         Metric::Executed,
@@ -77,6 +79,7 @@ impl Metric {
         Metric::LocalReplays,
         Metric::HandedBack,
         Metric::HandBackDropped,
+        Metric::Minted,
     ];
 
     pub fn name(self) -> &'static str {
@@ -102,6 +105,7 @@ impl Metric {
             Metric::LocalReplays => "idempotency.local_replays",
             Metric::HandedBack => "idempotency.handed_back",
             Metric::HandBackDropped => "idempotency.handback_dropped",
+            Metric::Minted => "idempotency.minted",
         }
     }
 
@@ -118,6 +122,7 @@ impl Metric {
             Metric::Unavailable => Some("unavailable"),
             Metric::Passthrough => Some("passthrough"),
             Metric::Detached => Some("detached"),
+            Metric::Minted => Some("minted"),
             Metric::Guarded
             | Metric::Stored
             | Metric::Released

@@ -34,6 +34,8 @@ pub struct MockView {
     pub props: HashMap<String, Vec<u8>>,
     pub request_body: Vec<u8>,
     pub response_chunk: Vec<u8>,
+    /// Random draws so far (see `random_bytes`).
+    pub draws: std::cell::Cell<u8>,
 }
 
 impl MockView {
@@ -82,6 +84,11 @@ impl StreamView for MockView {
     }
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
         self.response_chunk.get(start..start.checked_add(len)?).map(<[u8]>::to_vec)
+    }
+    /// Not random: a different value each call (1, 2, ... in every byte).
+    fn random_bytes(&self) -> Option<[u8; 16]> {
+        self.draws.set(self.draws.get().wrapping_add(1));
+        Some([self.draws.get(); 16])
     }
 }
 

@@ -30,7 +30,7 @@
 use sha2::{Digest, Sha256};
 use std::rc::Rc;
 
-use crate::config::values::{FailureMode, MissingId, Subject};
+use crate::config::values::{FailureMode, MissingId, Mode, Subject};
 use crate::config::Config;
 use crate::http::headers;
 use crate::request::detached::{self, UpstreamAnswer, UpstreamCall};
@@ -60,6 +60,8 @@ pub trait StreamView {
     fn request_body(&self, start: usize, len: usize) -> Option<Vec<u8>>;
     /// `len` bytes of the current response body chunk from `start`.
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>>;
+    /// 16 bytes from the host's random source (WASI `random_get`), if it can give them.
+    fn random_bytes(&self) -> Option<[u8; 16]>;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

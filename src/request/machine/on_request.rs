@@ -22,6 +22,9 @@ impl Machine {
         if self.cfg.inbox().is_some() {
             return self.inbox_headers(view, method, end_of_stream);
         }
+        if self.cfg.mode == Mode::Mint {
+            return mint(view);
+        }
         let values = view.request_header("idempotency-key");
         let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
         let client_key = match key::parse_client_key(&values, self.cfg.max_key_length) {
@@ -295,6 +298,7 @@ impl Machine {
                 full.extend(path.iter().map(String::as_str));
                 view.property(&full)
             }
+            Subject::Property(path) => view.property(&path.iter().map(String::as_str).collect::<Vec<_>>()),
         };
         match identity {
             // Exact bytes either way, so two identities never collapse into one subject: a
@@ -309,6 +313,24 @@ impl Machine {
             }
         }
     }
+}
+
+/// Mint mode: a guarded request without a key gets one, 128 random bits as an RFC 8941 string,
+/// before the router, so every retry and hedged attempt of it carries the same key. A key the
+/// client sent, well-formed or not, is the guard's to judge: left alone.
+fn mint(view: &dyn StreamView) -> Step {
+    if !view.request_header("idempotency-key").is_empty() {
+        return Step::go(vec![]);
+    }
+    let Some(bytes) = view.random_bytes() else {
+        log::warn!("no random bytes from the host: a request leaves without a minted key");
+        return Step::go(vec![Effect::Count(Metric::Passthrough)]);
+    };
+    let value = format!("\"{}\"", key::hex(&bytes));
+    Step::go(vec![
+        Effect::SetRequestHeader("idempotency-key".to_string(), value),
+        Effect::Count(Metric::Minted),
+    ])
 }
 
 /// The route part of the scope: the Envoy route's name, else the path without its query.
@@ -336,6 +358,9 @@ fn inbox_key(method: &str, route: &str, id: &MessageId) -> String {
 struct NoHeaders;
 
 impl StreamView for NoHeaders {
+    fn random_bytes(&self) -> Option<[u8; 16]> {
+        None
+    }
     fn request_header(&self, _: &str) -> Vec<Vec<u8>> {
         Vec::new()
     }

@@ -127,6 +127,48 @@ fn store_key_scope() {
     let meta =
         r#","subject":{"metadata":{"filter":"envoy.filters.http.jwt_authn","path":["payload","sub"]}}"#;
     assert_eq!(key_for(&jwt, meta), crate::request::key::store_key("id:user-1", "POST", "/orders", "k"));
+
+    // Workloads: the peer certificate's URI SAN; a caller without one is anonymous.
+    let san = r#","subject":{"property":["connection","uri_san_peer_certificate"]}"#;
+    let mut one = MockView::post(Some("k"));
+    one.prop("connection.uri_san_peer_certificate", "spiffe://test/ns/a/sa/one");
+    let mut two = MockView::post(Some("k"));
+    two.prop("connection.uri_san_peer_certificate", "spiffe://test/ns/a/sa/two");
+    let id = |s: &str| crate::request::key::store_key(&format!("id:{s}"), "POST", "/orders", "k");
+    assert_eq!(key_for(&one, san), id("spiffe://test/ns/a/sa/one"));
+    assert_eq!(key_for(&two, san), id("spiffe://test/ns/a/sa/two"));
+    assert_eq!(key_for(&base, san), k);
+}
+
+#[test]
+fn mint_mode_adds_a_random_key_to_keyless_guarded_requests_only() {
+    let minted = |view: &MockView| {
+        let mut s = Machine::new(cfg(r#","mode":"mint""#));
+        let step = s.on_request_headers(view, false);
+        assert_eq!(step.action, Action::Continue);
+        assert!(s.is_done(), "nothing more to do for the stream");
+        step.effects
+    };
+    let view = MockView::post(None);
+    let first = minted(&view);
+    let [Effect::SetRequestHeader(name, value), Effect::Count(Metric::Minted)] = first.as_slice() else {
+        panic!("{first:?}")
+    };
+    assert_eq!(name, "idempotency-key");
+    assert_eq!(value, &format!("\"{}\"", "01".repeat(16)), "128 bits from the host, as a string item");
+    assert_eq!(
+        crate::request::key::parse_client_key(&[value.as_bytes()], 255).unwrap().map(|k| k.len()),
+        Some(32),
+        "the guard takes it"
+    );
+    let second = minted(&view);
+    assert_ne!(first, second, "every request its own key");
+    // A client's key (even a malformed one) is the guard's to judge; other methods pass.
+    assert!(minted(&MockView::post(Some("k1"))).is_empty());
+    assert!(minted(&MockView::post(Some("not a token"))).is_empty());
+    let mut get = MockView::post(None);
+    get.request[0].1 = b"GET".to_vec();
+    assert!(minted(&get).is_empty());
 }
 
 #[test]
