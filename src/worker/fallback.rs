@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 
-use crate::config::values::FailureMode;
+use crate::config::values::{FailureMode, Mode};
 use crate::config::Config;
 use crate::request::metrics::Metric;
 use crate::store::client::{BeginAnswer, CalloutFault, LockToken};
@@ -78,7 +78,8 @@ pub struct Fallback {
 impl Fallback {
     /// `None` unless the configuration asks for it (`failure_mode: open`, `local_fallback`).
     pub fn new(cfg: &Config) -> Option<Fallback> {
-        if !cfg.local_fallback || cfg.failure_mode != FailureMode::Open {
+        // Mint mode makes no store calls: nothing to fall back from.
+        if !cfg.local_fallback || cfg.failure_mode != FailureMode::Open || cfg.mode == Mode::Mint {
             return None;
         }
         let store = LocalStore::new(
@@ -441,6 +442,7 @@ mod tests {
         assert!(Fallback::new(&cfg("")).is_some());
         assert!(Fallback::new(&cfg(r#","failure_mode":"closed""#)).is_none());
         assert!(Fallback::new(&cfg(r#","local_fallback":false"#)).is_none());
+        assert!(Fallback::new(&cfg(r#","mode":"mint""#)).is_none(), "no store, nothing to fall back from");
     }
 
     #[test]
