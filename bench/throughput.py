@@ -163,7 +163,10 @@ class Stack:
         # `skip`: the same filter wrapped as envoy/envoy.yaml ships it (behind the composite
         # matcher, Envoy does not create it for a request without an Idempotency-Key): measured
         # on pass-through only.
-        fronts = [("plain", []), ("idem", [wasm]), ("skip", [h.skip_unless_keyed(wasm)])]
+        # `mint`: the filter in mint mode (the sending side of Envoy's retries), which adds a key
+        # to every keyless POST and makes no store calls: measured on pass-through only.
+        mint = h.wasm_filter({"mode": "mint"}, h.wasm_path())
+        fronts = [("plain", []), ("idem", [wasm]), ("skip", [h.skip_unless_keyed(wasm)]), ("mint", [mint])]
         if self.floor:
             floor = h.wasm_filter("{}", self.floor, vm_id="floor")
             floor["typed_config"]["config"]["name"] = "floor"
@@ -346,7 +349,7 @@ def run_scenario(stack: Stack, sc: Scenario, rounds: int, duration: float, warmu
                  run_dir: Path, log) -> dict[str, list[Run]]:
     targets = ["plain", "idem"]
     if sc.mode == "none":
-        targets += [t for t in ("skip", "floor") if t in stack.envoys]
+        targets += [t for t in ("skip", "mint", "floor") if t in stack.envoys]
     runs: dict[str, list[Run]] = {t: [] for t in targets}
     wrk_log = run_dir / f"wrk-{sc.name}.log"
     seed = f"{sc.name}-{secrets.token_hex(6)}"
@@ -383,12 +386,15 @@ class Summary:
     floor: dict | None = None
     # The filter behind the composite matcher (pass-through only).
     skip: dict | None = None
+    # The filter in mint mode (pass-through only).
+    mint: dict | None = None
 
 
 def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
     plain, idem = medians(runs["plain"]), medians(runs["idem"])
     floor = medians(runs["floor"]) if runs.get("floor") else None
     skip = medians(runs["skip"]) if runs.get("skip") else None
+    mint = medians(runs["mint"]) if runs.get("mint") else None
     n_idem = max(1, idem["requests"])
     store: dict[str, int] = {}
     outcomes: dict[str, int] = {}
@@ -418,6 +424,9 @@ def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
     if skip:
         notes.append(f"the filter behind the composite matcher (envoy/envoy.yaml): {skip['rps']:.0f} req/s, "
                      f"**{fmt_ratio(skip['rps'] / plain['rps'])}**, p50 {skip['p50']:.2f} ms")
+    if mint:
+        notes.append(f"the filter in mint mode (a key added to each request, no store call): {mint['rps']:.0f} "
+                     f"req/s, **{fmt_ratio(mint['rps'] / plain['rps'])}**, p50 {mint['p50']:.2f} ms")
     if floor:
         notes.append(f"a no-op wasm filter (`bench/floor-filter`): {floor['rps']:.0f} req/s, "
                      f"**{fmt_ratio(floor['rps'] / plain['rps'])}**, p50 {floor['p50']:.2f} ms")
@@ -426,7 +435,7 @@ def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
                    {k: v / n_idem for k, v in sorted(store.items())},
                    {k: v / n_idem for k, v in sorted(outcomes.items())},
                    {k: v / n_idem for k, v in sorted(store_outcomes.items())}, upstream_per_rq, cpu_us, cores,
-                   problems, extra, floor, skip)
+                   problems, extra, floor, skip, mint)
 
 
 def fmt_ratio(x: float) -> str:
@@ -456,6 +465,8 @@ def one_line(s: Summary) -> str:
     line = f"{s.sc.name} {fmt_ratio(s.ratio)}" + short_note(s)
     if s.skip:
         line += f", {s.sc.name}-matcher {fmt_ratio(s.skip['rps'] / s.plain['rps'])}"
+    if s.mint:
+        line += f", {s.sc.name}-mint {fmt_ratio(s.mint['rps'] / s.plain['rps'])}"
     return line
 
 
@@ -509,6 +520,7 @@ def cpu_table(summaries: list[Summary]) -> list[str]:
     for s in summaries:
         p = s.cpu_us["plain"]
         for t, name in (("idem", s.sc.name), ("skip", f"{s.sc.name}, filter behind the composite matcher"),
+                        ("mint", f"{s.sc.name}, filter in mint mode"),
                         ("floor", f"{s.sc.name}, no-op wasm filter instead")):
             if t not in s.cpu_us:
                 continue
