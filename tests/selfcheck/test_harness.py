@@ -28,6 +28,21 @@ def test_upstream_counts_and_answers(upstream):
     assert upstream.count(key=key, method="GET") == 0
 
 
+def test_upstream_first_status_fails_only_the_first_execution_of_a_key_and_path(upstream):
+    key = h.new_key("first")
+    path = f"/things/{uuid.uuid4().hex}"
+    hdrs = [("Idempotency-Key", key), ("x-test-first-status", "503"), ("x-test-sleep-ms", "500")]
+    first = h.request(upstream.port, "POST", path, b"{}", hdrs)
+    assert first.status == 503 and first.elapsed < 0.4, first  # at once, without the sleep
+    again = h.request(upstream.port, "POST", path, b"{}", hdrs)
+    assert again.status == 201, again
+    # Another path, or another key, is a first execution of its own.
+    assert h.request(upstream.port, "POST", path + "/2", b"{}", hdrs).status == 503
+    other = [("Idempotency-Key", key + "-b")] + hdrs[1:]
+    assert h.request(upstream.port, "POST", path, b"{}", other).status == 503
+    assert upstream.count(key=key, path=path) == 2
+
+
 def test_plain_envoy_routes_to_upstream(run_dir, upstream):
     envoy = h.start_envoy(run_dir / "plain", "envoy-plain", {"plain": []}, upstream.port, h.free_port())
     try:

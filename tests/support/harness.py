@@ -428,12 +428,23 @@ ROUTER = {
 }
 
 
-def listener(name: str, port: int, http_filters: list[dict], routes: list[dict] | None = None) -> dict:
+def listener(name: str, port: int, http_filters: list[dict], routes: list[dict] | None = None,
+             virtual_host: dict | None = None, transport_socket: dict | None = None) -> dict:
+    """A listener on loopback with one HTTP connection manager: `http_filters` then the router,
+    one virtual host (`*`) with `routes` (default DEFAULT_ROUTES). `virtual_host` adds fields
+    to that virtual host (e.g. `retry_policy`, `hedge_policy`); `transport_socket` goes on the
+    filter chain (e.g. `pki.downstream_tls(...)` for TLS or mTLS)."""
+    vhost = {"name": name, "domains": ["*"], "routes": routes or DEFAULT_ROUTES}
+    vhost.update(virtual_host or {})
+    chain: dict = {}
+    if transport_socket is not None:
+        chain["transport_socket"] = transport_socket
     return {
         "name": name,
         "address": {"socket_address": {"address": LOOPBACK, "port_value": port}},
         "per_connection_buffer_limit_bytes": 2097152,
         "filter_chains": [{
+            **chain,
             "filters": [{
                 "name": "envoy.filters.network.http_connection_manager",
                 "typed_config": {
@@ -445,7 +456,7 @@ def listener(name: str, port: int, http_filters: list[dict], routes: list[dict] 
                     "use_remote_address": True,
                     "route_config": {
                         "name": f"{name}_routes",
-                        "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes or DEFAULT_ROUTES}],
+                        "virtual_hosts": [vhost],
                     },
                     "http_filters": http_filters + [ROUTER],
                 },
@@ -455,8 +466,9 @@ def listener(name: str, port: int, http_filters: list[dict], routes: list[dict] 
 
 
 def static_cluster(name: str, port: int | list[int], http2: bool = False, connect_timeout: str = "1s",
-                   lb_policy: str = "ROUND_ROBIN") -> dict:
-    """A STATIC cluster on loopback: one endpoint, or one per port of a list (load-balanced)."""
+                   lb_policy: str = "ROUND_ROBIN", transport_socket: dict | None = None) -> dict:
+    """A STATIC cluster on loopback: one endpoint, or one per port of a list (load-balanced);
+    `transport_socket` e.g. `pki.upstream_tls(...)` (TLS, with a client certificate for mTLS)."""
     ports = port if isinstance(port, (list, tuple)) else [port]
     c = {
         "name": name,
@@ -477,6 +489,8 @@ def static_cluster(name: str, port: int | list[int], http2: bool = False, connec
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         }
+    if transport_socket is not None:
+        c["transport_socket"] = transport_socket
     return c
 
 
@@ -610,6 +624,29 @@ def spawn_envoy(run_dir: Path, name: str, listener_filters: dict[str, list[dict]
     config = envoy_config(admin_port, listeners, upstream_port, idemstore_port)
     if config_hook is not None:
         config_hook(config)
+    return spawn_envoy_config(run_dir, name, config, admin_port, ports, log_level, concurrency)
+
+
+def spawn_envoy_with(run_dir: Path, name: str, listeners: dict[str, dict], clusters: list[dict],
+                     log_level: str = "info", concurrency: int = 2) -> Envoy:
+    """Launch an Envoy from listener specs and clusters given in full, without waiting for it
+    (then `await_envoy`): for Envoys that are not the filter-in-front-of-`upstream` shape of
+    `spawn_envoy` (a client-side proxy with a retry policy in front of another Envoy, TLS
+    listeners, clusters to other Envoys). Each listener spec is `listener()`'s keyword
+    arguments, its port picked here: `filters` (HTTP filters before the router, default none),
+    `routes`, `virtual_host`, `transport_socket`. `clusters` are used as they are (e.g.
+    `static_cluster`, `store_cluster`)."""
+    admin_port = free_port()
+    ports = {ln: free_port() for ln in listeners}
+    config = {
+        "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": admin_port}}},
+        "static_resources": {
+            "listeners": [listener(ln, ports[ln], spec.get("filters", []), spec.get("routes"),
+                                   spec.get("virtual_host"), spec.get("transport_socket"))
+                          for ln, spec in listeners.items()],
+            "clusters": clusters,
+        },
+    }
     return spawn_envoy_config(run_dir, name, config, admin_port, ports, log_level, concurrency)
 
 

@@ -23,6 +23,10 @@ How an execution answers is chosen per request by headers, so each test picks it
 * ``x-test-body-bytes``: pad the default JSON document to exactly this many bytes.
 * ``x-test-reset``: record the execution, then close the connection with a TCP reset instead
   of answering.
+* ``x-test-first-status``: answer this status (at once, without ``x-test-sleep-ms``) to the
+  first execution of this ``Idempotency-Key`` and path (query string included), then behave
+  normally: a failure that a retry of the same request gets past, whatever key a proxy in front
+  put on it.
 
 The answer's bytes and headers can be chosen exactly (the first of the body headers given wins:
 ``x-test-body-b64``, ``x-test-body-pattern``, ``x-test-body``, else the default JSON document):
@@ -150,6 +154,12 @@ class State:
             pool = self.by_key.get(query["key"][0], []) if "key" in query else self.executions
             return [out(ex) for ex in pool if match(ex)]
 
+    def nth(self, ex: dict) -> int:
+        """Which execution of its key and path (query string included) `ex` is, from 1."""
+        with self.lock:
+            return sum(1 for e in self.by_key.get(ex["key"], [])
+                       if e["path"] == ex["path"] and e["seq"] <= ex["seq"])
+
     def reset(self) -> None:
         with self.lock:
             self.executions.clear()
@@ -244,11 +254,14 @@ class Handler(testserver.Handler):
             self.connection.close()
             return
 
-        sleep_ms = int(self.headers.get("x-test-sleep-ms") or 0)
-        if sleep_ms > 0:
-            time.sleep(sleep_ms / 1000.0)
-
-        status = int(self.headers.get("x-test-status") or 201)
+        first_status = self.headers.get("x-test-first-status")
+        if first_status and STATE.nth(ex) == 1:
+            status = int(first_status)
+        else:
+            sleep_ms = int(self.headers.get("x-test-sleep-ms") or 0)
+            if sleep_ms > 0:
+                time.sleep(sleep_ms / 1000.0)
+            status = int(self.headers.get("x-test-status") or 201)
         ctype = self.headers.get("x-test-content-type")
         extra = [parse_header_line(v) for v in self.headers.get_all("x-test-header") or []]
         if any(n.lower() == "content-type" for n, _ in extra):
