@@ -35,6 +35,7 @@ import pytest
 import yaml
 
 from support import harness as h
+from support.pki import Pki
 
 ENVOY_DIR = h.ROOT / "envoy"
 ISTIO_DIR = ENVOY_DIR / "istio"
@@ -130,12 +131,25 @@ def test_every_envoy_bootstrap_is_validated():
 @pytest.mark.parametrize("path", [p for p in BOOTSTRAPS if rel(p) not in VALIDATED_ELSEWHERE], ids=rel)
 def test_envoy_bootstrap_validates(path, work_dir):
     """`envoy --mode validate` accepts the bootstrap, its wasm path made the built filter (for
-    the compose config, /etc/envoy/idempotency_filter.wasm). Nothing else is rewritten:
-    validation resolves no DNS, so STRICT_DNS clusters naming compose services validate as
-    they are, on a machine where those names do not resolve."""
+    the compose config, /etc/envoy/idempotency_filter.wasm), and the TLS files it reads from
+    /etc/idempotency/tls/ (envoy/mesh/) made at run time, since validation opens them. Nothing
+    else is rewritten: validation resolves no DNS, so STRICT_DNS clusters naming compose
+    services validate as they are, on a machine where those names do not resolve."""
     copy = work_dir / ("validate-" + rel(path).replace("/", "-"))
-    copy.write_text(with_built_wasm(path.read_text()))
+    text = with_built_wasm(path.read_text())
+    if TLS_DIR in text:
+        tls = work_dir / "tls"
+        if not (tls / "ca.pem").exists():
+            pki = Pki(tls)
+            pki.issue("server", dns=("localhost",), uris=("spiffe://example.org/ns/shop/sa/payments",), server=True)
+            pki.issue("client", uris=("spiffe://example.org/ns/shop/sa/checkout",), client=True)
+        text = text.replace(TLS_DIR, str(tls))
+    copy.write_text(text)
     assert_valid(envoy_validate(copy), copy)
+
+
+# Where envoy/mesh/'s configs read their certificates and keys (ca.pem, <name>.pem, <name>.key).
+TLS_DIR = "/etc/idempotency/tls"
 
 
 INBOX_EXAMPLE = ENVOY_DIR / "inbox.yaml"
