@@ -272,26 +272,33 @@ def settle(envoy: h.Envoy, before: dict[str, int], **at_least: int) -> dict[str,
 # --------------------------------------------------------------------------------------------
 
 
+def slow_request_runs_once(client, server, upstream, listener: str, cluster: str, path: str):
+    """A keyless POST to an app taking `APP_SLEEP_MS`, through the client Envoy's `listener`
+    (whose route sends `cluster` to the guard): it executed exactly once, under a minted key, and
+    the client got that execution's answer. Returns the answer, the execution, the client
+    cluster's stat deltas and how many attempts reached the guard."""
+    stats_before = cluster_stats(client, cluster)
+    rq_before = downstream_requests(server, "guard")
+
+    resp = post(client.port(listener), path, headers=[("x-test-sleep-ms", str(APP_SLEEP_MS))])
+
+    execs = upstream.executions(path=path, headers=True)
+    assert len(execs) == 1, (resp, execs)
+    ex = execs[0]
+    assert MINTED.match(ex["key"]), ex["key"]
+    assert_answer_of(resp, ex)
+    stats = stat_deltas(cluster_stats(client, cluster), stats_before)
+    return resp, ex, stats, downstream_requests(server, "guard") - rq_before
+
+
 def test_retries_after_per_try_timeouts_execute_once(client, server, upstream, note):
     """The app takes 1 s, each attempt 0.3 s: attempts 1-3 time out at the client Envoy, which
     abandons them; the first keeps running (detached) and is stored; the retries carry the
     minted key, wait for it and the last one replays its answer."""
     path = unique_path("retry")
     c_before, s_before = client.counters(), server.counters()
-    stats_before = cluster_stats(client, "server")
-    rq_before = downstream_requests(server, "guard")
-
-    resp = post(client.port("mint"), path, headers=[("x-test-sleep-ms", str(APP_SLEEP_MS))])
-
-    execs = upstream.executions(path=path, headers=True)
-    assert len(execs) == 1, (resp, execs)
-    ex = execs[0]
-    assert MINTED.match(ex["key"]), ex["key"]
+    resp, ex, stats, attempts = slow_request_runs_once(client, server, upstream, "mint", "server", path)
     assert received(ex, "idempotency-key") == [ex["key"]], ex["headers"]
-    assert_answer_of(resp, ex)
-
-    stats = stat_deltas(cluster_stats(client, "server"), stats_before)
-    attempts = downstream_requests(server, "guard") - rq_before
     note(f"mesh retries: {attempts} attempts reached the server, client cluster {stats}, "
          f"answered in {resp.elapsed:.2f} s, replay={resp.header(REPLAY)}")
     assert stats["upstream_rq_per_try_timeout"] >= 1, stats
@@ -337,19 +344,7 @@ def test_hedged_attempts_execute_once(client, server, upstream, note):
     the hedges carry the minted key and wait for the first, which answers the client."""
     path = unique_path("hedge")
     c_before, s_before = client.counters(), server.counters()
-    stats_before = cluster_stats(client, "server_hedged")
-    rq_before = downstream_requests(server, "guard")
-
-    resp = post(client.port("hedge"), path, headers=[("x-test-sleep-ms", str(APP_SLEEP_MS))])
-
-    execs = upstream.executions(path=path, headers=True)
-    assert len(execs) == 1, (resp, execs)
-    ex = execs[0]
-    assert MINTED.match(ex["key"]), ex["key"]
-    assert_answer_of(resp, ex)
-
-    stats = stat_deltas(cluster_stats(client, "server_hedged"), stats_before)
-    attempts = downstream_requests(server, "guard") - rq_before
+    resp, ex, stats, attempts = slow_request_runs_once(client, server, upstream, "hedge", "server_hedged", path)
     note(f"mesh hedges: {attempts} attempts reached the server, client cluster {stats}, "
          f"answered in {resp.elapsed:.2f} s, replay={resp.header(REPLAY)}")
     # Envoy counts a hedge on `upstream_rq_retry` (a per-try timeout that hedges is not counted
