@@ -90,6 +90,11 @@ config! {
         record_too_large: TooLarge,
         /// Header added to the replay of an answer recorded without its body.
         body_omitted_header: String,
+        /// gRPC statuses whose answers are recorded (default `OK`).
+        store_grpc_statuses: GrpcStatuses,
+        /// gRPC methods (`/package.Service/Method`, or `/package.Service/*`) that stream: passed
+        /// through at once, never held.
+        grpc_streaming_methods: Vec<String>,
     }
     raw_only {
         /// The variable `store_secret` is read from.
@@ -120,8 +125,8 @@ impl Config {
 
     /// Checks every key of a configuration as written and builds the configuration.
     pub fn validate(mut raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        // The sending side (mint mode) makes no store calls.
-        let mint = matches!(&raw.mode, Some(Value::String(m)) if m == "mint");
+        // The sending side (mint mode) and the replay listener make no store calls.
+        let mint = matches!(&raw.mode, Some(Value::String(m)) if m == "mint" || m == "grpc_replay");
         let store_cluster = match raw.store_cluster.take() {
             None if mint => String::new(),
             None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
@@ -196,6 +201,14 @@ impl Config {
         let body_omitted_header = match raw.body_omitted_header {
             None => "x-idempotent-body-omitted".to_string(),
             Some(v) => header_name("body_omitted_header", v)?,
+        };
+        let store_grpc_statuses = match raw.store_grpc_statuses {
+            None => GrpcStatuses::default(),
+            Some(v) => store_grpc_statuses(v)?,
+        };
+        let grpc_streaming_methods = match raw.grpc_streaming_methods {
+            None | Some(Value::Null) => Vec::new(),
+            Some(v) => grpc_streaming_methods(v)?,
         };
         for (key, name) in [("replay_header", &replay_header), ("body_omitted_header", &body_omitted_header)]
         {
@@ -281,6 +294,8 @@ impl Config {
             store_content_types,
             record_too_large,
             body_omitted_header,
+            store_grpc_statuses,
+            grpc_streaming_methods,
         };
         Ok(Config::assemble(simple, structured))
     }
@@ -297,6 +312,7 @@ impl Config {
         let (mode, inbox) = match &self.mode {
             Mode::IdempotencyKey => ("idempotency_key", None),
             Mode::Mint => ("mint", None),
+            Mode::GrpcReplay => ("grpc_replay", None),
             Mode::Inbox(Inbox { message_id, missing_id, duplicate_status }) => {
                 let message_id = match message_id {
                     MessageIdSource::CloudEvents => json!("cloudevents"),
@@ -347,6 +363,8 @@ impl Config {
                 TooLarge::Release => "release",
             })),
             body_omitted_header: Some(json!(self.body_omitted_header)),
+            store_grpc_statuses: Some(json!(self.store_grpc_statuses.names())),
+            grpc_streaming_methods: Some(json!(self.grpc_streaming_methods)),
             ..RawConfig::default()
         }
     }
@@ -355,8 +373,16 @@ impl Config {
     pub fn inbox(&self) -> Option<&Inbox> {
         match &self.mode {
             Mode::Inbox(inbox) => Some(inbox),
-            Mode::IdempotencyKey | Mode::Mint => None,
+            Mode::IdempotencyKey | Mode::Mint | Mode::GrpcReplay => None,
         }
+    }
+
+    /// A gRPC method that `grpc_streaming_methods` lists (`path` is the request's `:path`).
+    pub fn streams_grpc(&self, path: &[u8]) -> bool {
+        self.grpc_streaming_methods.iter().any(|m| match m.strip_suffix('*') {
+            Some(service) => path.starts_with(service.as_bytes()),
+            None => path == m.as_bytes(),
+        })
     }
 
     pub fn guards_method(&self, method: &str) -> bool {

@@ -7,7 +7,7 @@ use crate::config::keys::{boolean, err, number, object, raw_keys, type_name, Con
 use crate::config::patterns::{MediaPattern, StatusSet};
 use crate::config::values::*;
 use crate::config::MAX_FINGERPRINT_HEADERS;
-use crate::http::headers;
+use crate::http::{grpc, headers};
 
 raw_keys! {
     /// `inbox`, in inbox mode.
@@ -48,6 +48,53 @@ pub fn methods(v: Value) -> Result<Vec<String>, ConfigError> {
     for m in &list {
         if !m.bytes().all(|b| b.is_ascii_uppercase()) {
             return Err(err("methods", format!("entries must be upper-case HTTP methods, got {m:?}")));
+        }
+    }
+    Ok(list)
+}
+
+/// gRPC status names (`"OK"`, `"NOT_FOUND"`, any case) or codes (0 to 16).
+pub fn store_grpc_statuses(v: Value) -> Result<GrpcStatuses, ConfigError> {
+    let key = "store_grpc_statuses";
+    let Value::Array(items) = v else {
+        return Err(err(key, format!("must be a list of gRPC statuses, got {}", type_name(&v))));
+    };
+    let mut set = GrpcStatuses(0);
+    for item in items {
+        let code = match &item {
+            Value::String(name) => grpc::NAMES.iter().position(|n| n.eq_ignore_ascii_case(name)),
+            Value::Number(n) => n.as_u64().filter(|c| *c < grpc::NAMES.len() as u64).map(|c| c as usize),
+            _ => None,
+        };
+        let Some(code) = code else {
+            return Err(err(
+                key,
+                format!("entries must be gRPC status names (e.g. \"OK\") or codes 0-16, got {item}"),
+            ));
+        };
+        set.0 |= 1 << code;
+    }
+    Ok(set)
+}
+
+/// `/package.Service/Method` or `/package.Service/*`.
+pub fn grpc_streaming_methods(v: Value) -> Result<Vec<String>, ConfigError> {
+    let key = "grpc_streaming_methods";
+    let list = string_list(key, v)?;
+    for m in &list {
+        let shape = m.strip_prefix('/').and_then(|rest| rest.split_once('/'));
+        let ok = shape.is_some_and(|(service, method)| {
+            !service.is_empty()
+                && !method.is_empty()
+                && !service.contains('*')
+                && (method == "*" || !method.contains(['*', '/']))
+                && m.bytes().all(|b| b.is_ascii_graphic())
+        });
+        if !ok {
+            return Err(err(
+                key,
+                format!("entries must be /package.Service/Method or /package.Service/*, got {m:?}"),
+            ));
         }
     }
     Ok(list)
@@ -223,8 +270,11 @@ pub fn mode(mode: Option<Value>, inbox: Option<Value>) -> Result<Mode, ConfigErr
         None => Some(Mode::IdempotencyKey),
         Some(Value::String(s)) if s == "idempotency_key" => Some(Mode::IdempotencyKey),
         Some(Value::String(s)) if s == "mint" => Some(Mode::Mint),
+        Some(Value::String(s)) if s == "grpc_replay" => Some(Mode::GrpcReplay),
         Some(Value::String(s)) if s == "inbox" => None,
-        Some(_) => return Err(err("mode", "must be \"idempotency_key\", \"inbox\" or \"mint\"")),
+        Some(_) => {
+            return Err(err("mode", "must be \"idempotency_key\", \"inbox\", \"mint\" or \"grpc_replay\""))
+        }
     };
     if let Some(mode) = other {
         return match inbox {

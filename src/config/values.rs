@@ -55,6 +55,32 @@ pub enum Mode {
     /// before the router, so that every retry and hedged attempt of it carries the same key to
     /// the guard where it arrives. No store calls.
     Mint,
+    /// The replay listener (`"mode": "grpc_replay"`): answers a retry the guard re-routed to it,
+    /// the record in its body, as the gRPC answer it holds, message and trailers. No store calls.
+    GrpcReplay,
+}
+
+/// gRPC status codes, a bit per code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrpcStatuses(pub(super) u32);
+
+impl Default for GrpcStatuses {
+    fn default() -> Self {
+        GrpcStatuses(1) // OK
+    }
+}
+
+impl GrpcStatuses {
+    pub fn contains(&self, code: u8) -> bool {
+        code < 32 && self.0 & (1 << code) != 0
+    }
+
+    pub fn names(&self) -> Vec<&'static str> {
+        (0..crate::http::grpc::NAMES.len())
+            .filter(|c| self.0 & (1 << c) != 0)
+            .map(|c| crate::http::grpc::NAMES[c])
+            .collect()
+    }
 }
 
 /// Inbox mode: exactly-once handling of messages a broker pushes over HTTP.

@@ -88,6 +88,10 @@ impl StreamView for HostView {
         hostcalls::get_buffer(BufferType::HttpResponseBody, start, len).ok().map(Option::unwrap_or_default)
     }
 
+    fn response_trailers(&self) -> Vec<(String, Vec<u8>)> {
+        hostcalls::get_map_bytes(MapType::HttpResponseTrailers).unwrap_or_default()
+    }
+
     fn random_bytes(&self) -> Option<[u8; 16]> {
         let mut buf = [0u8; 16];
         // SAFETY: `random_get` writes exactly `buf.len()` bytes into `buf`, which outlives the

@@ -83,6 +83,24 @@ impl Vm {
                     log::warn!("cannot resume request: {s:?}");
                 }
             }
+            Command::Hop { stream, record, body_len, fallback } => {
+                let _ = hostcalls::set_effective_context(stream);
+                if let Err(step) = hop(&record, body_len) {
+                    log::warn!("cannot re-route a gRPC replay ({step}): answering it as failed");
+                    let headers: Vec<(&str, &str)> =
+                        fallback.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+                    if let Err(s) = hostcalls::send_http_response(fallback.status, headers, None) {
+                        log::warn!("cannot send local response: {s:?}");
+                    }
+                }
+            }
+            Command::AddResponseTrailers { trailers, .. } => {
+                for (name, value) in &trailers {
+                    if let Err(s) = hostcalls::add_map_value(MapType::HttpResponseTrailers, name, value) {
+                        log::warn!("cannot add trailer {name}: {s:?}");
+                    }
+                }
+            }
             Command::SetRequestHeader { name, value, .. } => {
                 if let Err(s) = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value)) {
                     log::warn!("cannot set request header {name}: {s:?}");
@@ -141,6 +159,21 @@ impl Vm {
             }
         }
     }
+}
+
+/// The second hop of a gRPC replay (see `request::machine::hop`), for the current stream: the
+/// step that failed, if one did (then the request has not been resumed).
+fn hop(record: &[u8], body_len: usize) -> Result<(), &'static str> {
+    use crate::http::grpc::{HOP_HEADER, HOP_PATH, RECORD_CONTENT_TYPE};
+    let headers = MapType::HttpRequestHeaders;
+    hostcalls::set_map_value(headers, HOP_HEADER, Some("1")).map_err(|_| "marking it")?;
+    hostcalls::set_map_value(headers, ":path", Some(HOP_PATH)).map_err(|_| "its path")?;
+    hostcalls::set_map_value(headers, "content-type", Some(RECORD_CONTENT_TYPE))
+        .map_err(|_| "its content type")?;
+    hostcalls::set_map_value(headers, "content-length", None).map_err(|_| "its length")?;
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body_len, record).map_err(|_| "its body")?;
+    hostcalls::call_foreign_function("clear_route_cache", None).map_err(|_| "clearing the route")?;
+    hostcalls::resume_http_request().map_err(|_| "resuming it")
 }
 
 struct Root {
@@ -311,6 +344,6 @@ impl HttpContext for HttpStream {
     }
 
     fn on_http_response_trailers(&mut self, _n: usize) -> HostAction {
-        self.run(|s, _| s.on_response_trailers())
+        self.run(|s, v| s.on_response_trailers(v))
     }
 }

@@ -2,4 +2,5 @@
 //! which are never replayed, media types and content codings. Uses nothing else of the crate;
 //! every other layer may use it.
 
+pub mod grpc;
 pub mod headers;

@@ -54,10 +54,13 @@ pub enum Metric {
     HandBackDropped,
     /// Mint mode: an `Idempotency-Key` added to a guarded request sent without one.
     Minted,
+    /// A gRPC call let through unguarded: it streams (a listed method, or a second message)
+    /// or is gRPC-Web. An answer with a second message also counts (its lock is given back).
+    GrpcUnguarded,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 22] = [
+    pub const ALL: [Metric; 23] = [
         Metric::Guarded,
         Metric::Replayed,
         Metric::Executed,
@@ -80,6 +83,7 @@ impl Metric {
         Metric::HandedBack,
         Metric::HandBackDropped,
         Metric::Minted,
+        Metric::GrpcUnguarded,
     ];
 
     pub fn name(self) -> &'static str {
@@ -106,6 +110,7 @@ impl Metric {
             Metric::HandedBack => "idempotency.handed_back",
             Metric::HandBackDropped => "idempotency.handback_dropped",
             Metric::Minted => "idempotency.minted",
+            Metric::GrpcUnguarded => "idempotency.grpc_unguarded",
         }
     }
 
@@ -123,6 +128,7 @@ impl Metric {
             Metric::Passthrough => Some("passthrough"),
             Metric::Detached => Some("detached"),
             Metric::Minted => Some("minted"),
+            Metric::GrpcUnguarded => Some("grpc_unguarded"),
             Metric::Guarded
             | Metric::Stored
             | Metric::Released

@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use crate::http::grpc;
 use crate::request::fingerprint::Differs;
 use crate::request::inbox::IdError;
 use crate::request::key::KeyError;
@@ -68,6 +69,16 @@ pub fn missing_key() -> LocalResponse {
         "missing-key",
         "Idempotency-Key required",
         "This request must carry an Idempotency-Key header.",
+    )
+}
+
+/// A request that arrives with the header only the filter sets on a gRPC replay it re-routes.
+pub fn hop_header() -> LocalResponse {
+    problem(
+        400,
+        "internal-header",
+        "Internal header",
+        "The x-idempotency-grpc-replay header is set by the idempotency filter only.",
     )
 }
 
@@ -211,6 +222,54 @@ pub fn store_unavailable() -> LocalResponse {
     )
 }
 
+/// A trailers-only gRPC answer: `code` with `message` (percent-encoded as gRPC wants), and
+/// `extra` metadata.
+pub fn grpc_status(code: u8, message: &str, extra: Vec<(String, String)>) -> LocalResponse {
+    let mut headers = vec![
+        ("content-type".to_string(), "application/grpc".to_string()),
+        ("grpc-status".to_string(), code.to_string()),
+        ("grpc-message".to_string(), grpc::percent_encode(message)),
+    ];
+    headers.extend(extra);
+    LocalResponse { status: 200, headers, body: Vec::new() }
+}
+
+/// One of the filter's HTTP answers (a problem, see [`crate::request::problem`]) in gRPC terms:
+/// the status the table in docs/grpc.md gives, `grpc-message` `<code>: <detail>` from the
+/// problem, `grpc-retry-pushback-ms` from `pushback_ms` (else from `retry-after`). An answer
+/// that already is gRPC is left as it is.
+pub fn grpc(r: LocalResponse, pushback_ms: Option<u64>) -> LocalResponse {
+    if r.headers.iter().any(|(n, _)| n == "grpc-status") {
+        return r;
+    }
+    let code = match r.status {
+        400 => grpc::INVALID_ARGUMENT,
+        406 | 422 => grpc::FAILED_PRECONDITION,
+        409 | 502 | 503 => grpc::UNAVAILABLE,
+        413 => grpc::RESOURCE_EXHAUSTED,
+        504 => grpc::DEADLINE_EXCEEDED,
+        _ => grpc::UNKNOWN,
+    };
+    let problem: Option<serde_json::Value> = serde_json::from_slice(&r.body).ok();
+    let field = |name: &str| problem.as_ref().and_then(|p| p.get(name)).and_then(|v| v.as_str());
+    let message = match (field("code"), field("detail")) {
+        (Some(c), Some(d)) => format!("{c}: {d}"),
+        _ => format!("idempotency filter answered {}", r.status),
+    };
+    let retry_after_ms = r
+        .headers
+        .iter()
+        .find(|(n, _)| n == "retry-after")
+        .and_then(|(_, v)| v.parse::<u64>().ok())
+        .map(|s| s.saturating_mul(1000));
+    let mut extra: Vec<(String, String)> =
+        r.headers.into_iter().filter(|(n, _)| n != "content-type" && n != "retry-after").collect();
+    if let Some(ms) = pushback_ms.or(retry_after_ms) {
+        extra.push(("grpc-retry-pushback-ms".to_string(), ms.to_string()));
+    }
+    grpc_status(code, &message, extra)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,5 +321,35 @@ mod tests {
         assert_eq!(after(in_flight(1000)).as_deref(), Some("1"));
         assert_eq!(after(in_flight(1001)).as_deref(), Some("2"));
         assert_eq!(after(message_in_flight(29_500)).as_deref(), Some("30"));
+    }
+
+    fn grpc_header<'a>(r: &'a LocalResponse, name: &str) -> Option<&'a str> {
+        r.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn problems_become_statuses() {
+        let cases = [
+            (missing_key(), grpc::INVALID_ARGUMENT, "missing-key: "),
+            (body_too_large(10), grpc::RESOURCE_EXHAUSTED, "body-too-large: "),
+            (key_reused(&Differs::Body), grpc::FAILED_PRECONDITION, "key-reused: "),
+            (store_unavailable(), grpc::UNAVAILABLE, "store-unavailable: "),
+        ];
+        for (p, code, prefix) in cases {
+            let r = grpc(p, None);
+            assert_eq!(r.status, 200);
+            assert!(r.body.is_empty());
+            assert_eq!(grpc_header(&r, "content-type"), Some("application/grpc"));
+            assert_eq!(grpc_header(&r, "grpc-status"), Some(code.to_string().as_str()));
+            let message = grpc_header(&r, "grpc-message").unwrap();
+            assert!(message.starts_with(prefix), "{message}");
+            assert!(!message.contains('%'), "{message}");
+        }
+        let busy = grpc(in_flight(30_000), Some(1234));
+        assert_eq!(grpc_header(&busy, "grpc-status"), Some("14"));
+        assert_eq!(grpc_header(&busy, "grpc-retry-pushback-ms"), Some("1234"));
+        assert_eq!(grpc_header(&busy, "retry-after"), None);
+        let again = grpc(busy.clone(), None);
+        assert_eq!(again, busy, "a gRPC answer is left alone");
     }
 }

@@ -73,6 +73,7 @@ mod tests {
             body: body.to_vec(),
             body_omitted: false,
             print: Some(print(1)),
+            trailers: None,
         }
     }
 

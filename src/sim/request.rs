@@ -34,6 +34,7 @@ pub struct MockView {
     pub props: HashMap<String, Vec<u8>>,
     pub request_body: Vec<u8>,
     pub response_chunk: Vec<u8>,
+    pub response_trailers: Vec<(String, Vec<u8>)>,
     /// Random draws so far (see `random_bytes`).
     pub draws: std::cell::Cell<u8>,
 }
@@ -78,6 +79,9 @@ impl StreamView for MockView {
     }
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
         self.props.get(&path.join(".")).cloned()
+    }
+    fn response_trailers(&self) -> Vec<(String, Vec<u8>)> {
+        self.response_trailers.clone()
     }
     fn request_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
         self.request_body.get(start..start.checked_add(len)?).map(<[u8]>::to_vec)
@@ -212,7 +216,7 @@ impl Driver {
                 self.view.response_chunk = chunk;
                 self.stream.on_response_body(&self.view, len, end_of_stream).effects
             }
-            Event::ResponseTrailers => self.stream.on_response_trailers().effects,
+            Event::ResponseTrailers => self.stream.on_response_trailers(&self.view).effects,
             Event::UpstreamAnswer(answer) => {
                 stray = !self.upstream_pending;
                 self.upstream_pending = false;
@@ -256,7 +260,8 @@ impl Driver {
 
     fn check(&mut self, effect: &Effect) -> Result<(), String> {
         match effect {
-            Effect::Respond(_) => {
+            // A gRPC replay's second hop answers the stream as a local answer would.
+            Effect::Respond(_) | Effect::Hop { .. } => {
                 if self.responded {
                     return self.violation("a second local answer".into());
                 }
@@ -325,7 +330,10 @@ impl Driver {
                 self.end_lock(key, token)?;
                 self.tally.releases += 1;
             }
-            Effect::SetRequestHeader(..) | Effect::RemoveRequestHeader(_) | Effect::Count(_) => {}
+            Effect::SetRequestHeader(..)
+            | Effect::RemoveRequestHeader(_)
+            | Effect::AddResponseTrailers(_)
+            | Effect::Count(_) => {}
         }
         Ok(())
     }

@@ -8,21 +8,26 @@
 //!
 //! ```text
 //! "IDR2" | status u16 | flags u8 | header count u16 | (name len u16, name, value len u32, value)*
+//!        | [trailers: count u16 | (name len u16, name, value len u32, value)*]
 //!        | [print: target 32 bytes | count u8 | (name len u8, name, digest 32 bytes)*] | body
-//! flags: 1 the body was omitted (too large; the body part is empty), 2 a print follows
+//! flags: 1 the body was omitted (too large; the body part is empty), 2 a print follows,
+//!        4 trailers follow (a gRPC answer: its `grpc-status` and the metadata after the message)
 //! ```
+//!
+//! A gRPC answer's body is its length-prefixed message, as it went by.
 //!
 //! Records of the first format (`"IDR1"`, before the print and the flags; `2xx` only) are still
 //! decoded, as records without a print: they replay as they did when they were written, until
 //! they expire. No other magic decodes.
 
 use crate::config::MAX_FINGERPRINT_HEADERS;
-use crate::http::headers;
+use crate::http::{grpc, headers};
 
 const MAGIC: &[u8; 4] = b"IDR2";
 const MAGIC_V1: &[u8; 4] = b"IDR1";
 const FLAG_BODY_OMITTED: u8 = 1;
 const FLAG_PRINT: u8 = 2;
+const FLAG_TRAILERS: u8 = 4;
 pub const MAX_HEADERS: usize = 64;
 pub const MAX_HEADER_VALUE: usize = 16 * 1024;
 
@@ -47,6 +52,8 @@ pub struct Record {
     pub body_omitted: bool,
     /// The request the record answers; `None` in inbox mode and in first-format records.
     pub print: Option<RequestPrint>,
+    /// A gRPC answer's trailers, `grpc-status` among them; `None` for an HTTP answer.
+    pub trailers: Option<Vec<(String, String)>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,7 +66,12 @@ impl Record {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let header_bytes: usize = self.headers.iter().map(|(n, v)| 6 + n.len() + v.len()).sum();
+        let header_bytes: usize = self
+            .headers
+            .iter()
+            .chain(self.trailers.iter().flatten())
+            .map(|(n, v)| 6 + n.len() + v.len())
+            .sum();
         let print_bytes = self
             .print
             .as_ref()
@@ -74,13 +86,13 @@ impl Record {
         if self.print.is_some() {
             flags |= FLAG_PRINT;
         }
+        if self.trailers.is_some() {
+            flags |= FLAG_TRAILERS;
+        }
         out.push(flags);
-        out.extend_from_slice(&(self.headers.len() as u16).to_be_bytes());
-        for (name, value) in &self.headers {
-            out.extend_from_slice(&(name.len() as u16).to_be_bytes());
-            out.extend_from_slice(name.as_bytes());
-            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-            out.extend_from_slice(value.as_bytes());
+        write_fields(&mut out, &self.headers);
+        if let Some(trailers) = &self.trailers {
+            write_fields(&mut out, trailers);
         }
         if let Some(print) = &self.print {
             out.extend_from_slice(&print.target);
@@ -104,7 +116,7 @@ impl Record {
                     return Err(DecodeError("status out of range"));
                 }
                 let flags = r.take(1)?[0];
-                if flags & !(FLAG_BODY_OMITTED | FLAG_PRINT) != 0 {
+                if flags & !(FLAG_BODY_OMITTED | FLAG_PRINT | FLAG_TRAILERS) != 0 {
                     return Err(DecodeError("unknown flags"));
                 }
                 (status, flags)
@@ -118,35 +130,61 @@ impl Record {
             }
             _ => return Err(DecodeError("bad magic")),
         };
-        let count = r.u16()? as usize;
-        if count > MAX_HEADERS {
-            return Err(DecodeError("too many headers"));
-        }
-        let mut headers = Vec::with_capacity(count);
-        for _ in 0..count {
-            let name_len = r.u16()? as usize;
-            let name = std::str::from_utf8(r.take(name_len)?).map_err(|_| DecodeError("header name"))?;
-            if !headers::is_valid_name(name) || headers::is_never_replayed(name) {
-                return Err(DecodeError("header name"));
+        let headers = read_fields(&mut r)?;
+        let trailers = if flags & FLAG_TRAILERS != 0 {
+            let trailers = read_fields(&mut r)?;
+            let status = trailers.iter().find(|(n, _)| n == "grpc-status");
+            if status.is_none_or(|(_, v)| grpc::parse_status(v.as_bytes()).is_none()) {
+                return Err(DecodeError("trailers without a grpc-status"));
             }
-            let value_len = r.u32()? as usize;
-            if value_len > MAX_HEADER_VALUE {
-                return Err(DecodeError("header value too long"));
-            }
-            let value = r.take(value_len)?;
-            if !headers::is_valid_value(value) {
-                return Err(DecodeError("header value"));
-            }
-            let value = std::str::from_utf8(value).map_err(|_| DecodeError("header value"))?;
-            headers.push((name.to_string(), value.to_string()));
-        }
+            Some(trailers)
+        } else {
+            None
+        };
         let print = if flags & FLAG_PRINT != 0 { Some(read_print(&mut r)?) } else { None };
         let body_omitted = flags & FLAG_BODY_OMITTED != 0;
         if body_omitted && !r.0.is_empty() {
             return Err(DecodeError("a body where it was omitted"));
         }
-        Ok(Record { status, headers, body: r.0.to_vec(), body_omitted, print })
+        Ok(Record { status, headers, body: r.0.to_vec(), body_omitted, print, trailers })
     }
+}
+
+fn write_fields(out: &mut Vec<u8>, fields: &[(String, String)]) {
+    out.extend_from_slice(&(fields.len() as u16).to_be_bytes());
+    for (name, value) in fields {
+        out.extend_from_slice(&(name.len() as u16).to_be_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        out.extend_from_slice(value.as_bytes());
+    }
+}
+
+/// Headers or trailers: names a replay may send, values it can send as they are.
+fn read_fields(r: &mut Reader<'_>) -> Result<Vec<(String, String)>, DecodeError> {
+    let count = r.u16()? as usize;
+    if count > MAX_HEADERS {
+        return Err(DecodeError("too many headers"));
+    }
+    let mut fields = Vec::with_capacity(count);
+    for _ in 0..count {
+        let name_len = r.u16()? as usize;
+        let name = std::str::from_utf8(r.take(name_len)?).map_err(|_| DecodeError("header name"))?;
+        if !headers::is_valid_name(name) || headers::is_never_replayed(name) {
+            return Err(DecodeError("header name"));
+        }
+        let value_len = r.u32()? as usize;
+        if value_len > MAX_HEADER_VALUE {
+            return Err(DecodeError("header value too long"));
+        }
+        let value = r.take(value_len)?;
+        if !headers::is_valid_value(value) {
+            return Err(DecodeError("header value"));
+        }
+        let value = std::str::from_utf8(value).map_err(|_| DecodeError("header value"))?;
+        fields.push((name.to_string(), value.to_string()));
+    }
+    Ok(fields)
 }
 
 fn read_print(r: &mut Reader<'_>) -> Result<RequestPrint, DecodeError> {
@@ -227,6 +265,7 @@ mod tests {
             body: b"{\"id\":\"ord_1\"}\x00\xff".to_vec(),
             body_omitted: false,
             print: Some(print()),
+            trailers: None,
         }
     }
 

@@ -26,6 +26,21 @@ pub enum Command {
     Resume {
         stream: u32,
     },
+    /// A gRPC replay's second hop: mark the paused request with `grpc::HOP_HEADER` and the
+    /// record content type, replace its body (`body_len` bytes) with `record`, clear the route
+    /// cache and resume it. If any step fails, answer `fallback` instead: the request must
+    /// never go on as it is.
+    Hop {
+        stream: u32,
+        record: Vec<u8>,
+        body_len: usize,
+        fallback: LocalResponse,
+    },
+    /// Only in the stream's own response-body callback (the replay listener).
+    AddResponseTrailers {
+        stream: u32,
+        trailers: Vec<(String, String)>,
+    },
     /// Only in the stream's own request-header callback.
     SetRequestHeader {
         stream: u32,

@@ -23,6 +23,7 @@ use crate::config::Config;
 use crate::request::detached::UpstreamAnswer;
 use crate::request::machine::{Action, Effect, Machine, Step, StreamView};
 use crate::request::metrics::Metric;
+use crate::request::problem;
 use crate::store::client::{Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
 use crate::worker::callouts::{key_prefix, Call, Callback, Callouts, Job};
 use crate::worker::command::Command;
@@ -501,6 +502,11 @@ impl Coordinator {
         for effect in effects {
             match effect {
                 Effect::Respond(response) if alive => {
+                    // The filter's answers to a gRPC call are gRPC statuses.
+                    let response = match self.streams.get(&stream) {
+                        Some(e) if e.machine.is_grpc() => problem::grpc(response, None),
+                        _ => response,
+                    };
                     // A replay says what the upstream said: a 204 with a content type, or a body
                     // left out, keeps it; bytes the upstream did not label stay unlabelled.
                     let content_type =
@@ -511,7 +517,13 @@ impl Coordinator {
                     self.commands.push_back(Command::Respond { stream, response });
                 }
                 Effect::Resume if alive => self.commands.push_back(Command::Resume { stream }),
-                Effect::Respond(_) | Effect::Resume => {}
+                Effect::Hop { record, body_len, fallback } if alive => {
+                    self.commands.push_back(Command::Hop { stream, record, body_len, fallback })
+                }
+                Effect::Respond(_) | Effect::Resume | Effect::Hop { .. } => {}
+                Effect::AddResponseTrailers(trailers) => {
+                    self.commands.push_back(Command::AddResponseTrailers { stream, trailers })
+                }
                 Effect::SetRequestHeader(name, value) => {
                     self.commands.push_back(Command::SetRequestHeader { stream, name, value })
                 }

@@ -494,6 +494,87 @@ def static_cluster(name: str, port: int | list[int], http2: bool = False, connec
     return c
 
 
+# The second hop of a gRPC replay (docs/grpc.md): a retry the guard re-routes (it sets
+# x-idempotency-grpc-replay) goes to an Envoy internal listener whose filter, in
+# `"mode": "grpc_replay"`, answers the stored message and adds the stored trailers. Every Envoy
+# that guards gRPC calls has the four parts: the bootstrap extension, the route (first in its
+# virtual host), the internal listener and its cluster.
+REPLAY_NAME = "idempotency_grpc_replay"
+INTERNAL_LISTENER_EXTENSION = {
+    "name": "envoy.bootstrap.internal_listener",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.bootstrap.internal_listener.v3.InternalListener"},
+}
+REPLAY_ROUTE = {
+    "name": REPLAY_NAME,
+    "match": {"path": "/idempotency.filter.v1.GrpcReplay/Replay",
+              "headers": [{"name": "x-idempotency-grpc-replay", "present_match": True}]},
+    "route": {"cluster": REPLAY_NAME, "timeout": "10s"},
+}
+
+
+def replay_listener(wasm: str) -> dict:
+    """The internal listener of the second hop, with the filter in `grpc_replay` mode."""
+    replay = wasm_filter({"mode": "grpc_replay"}, wasm, vm_id="idempotency_grpc_replay")
+    replay["typed_config"]["config"]["name"] = REPLAY_NAME
+    return {
+        "name": REPLAY_NAME,
+        "internal_listener": {},
+        # A record holds up to max_record_bytes (8 MiB at most) of message.
+        "per_connection_buffer_limit_bytes": 16777216,
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": REPLAY_NAME,
+                "route_config": {"name": REPLAY_NAME, "virtual_hosts": [{
+                    "name": REPLAY_NAME, "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "direct_response": {"status": 404}}]}]},
+                "http_filters": [replay, ROUTER],
+            },
+        }]}],
+    }
+
+
+def replay_cluster() -> dict:
+    return {
+        "name": REPLAY_NAME,
+        "connect_timeout": "1s",
+        "per_connection_buffer_limit_bytes": 16777216,
+        "load_assignment": {"cluster_name": REPLAY_NAME, "endpoints": [{"lb_endpoints": [{"endpoint": {
+            "address": {"envoy_internal_address": {"server_listener_name": REPLAY_NAME}}}}]}]},
+        "transport_socket": {
+            "name": "envoy.transport_sockets.internal_upstream",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.transport_sockets.internal_upstream.v3.InternalUpstreamTransport",
+                "transport_socket": {"name": "envoy.transport_sockets.raw_buffer", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.raw_buffer.v3.RawBuffer"}},
+            },
+        },
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+    }
+
+
+def add_grpc_replay(config: dict, wasm: str) -> dict:
+    """Adds the second hop to a rendered config: the extension, the internal listener and its
+    cluster, and the route first in every virtual host of every listener. Returns `config`."""
+    config.setdefault("bootstrap_extensions", []).append(INTERNAL_LISTENER_EXTENSION)
+    res = config["static_resources"]
+    for ln in res["listeners"]:
+        for chain in ln.get("filter_chains", []):
+            for f in chain.get("filters", []):
+                rc = f.get("typed_config", {}).get("route_config")
+                for vh in (rc or {}).get("virtual_hosts", []):
+                    vh["routes"] = [REPLAY_ROUTE] + vh["routes"]
+    res["listeners"].append(replay_listener(wasm))
+    res["clusters"].append(replay_cluster())
+    return config
+
+
 def store_health_check() -> dict:
     """The active health check envoy/envoy.yaml puts on its `idemstore` cluster (test_drills.py
     checks that the two agree): GET /healthz every second (every 250 ms while unhealthy),

@@ -20,6 +20,11 @@
 //! fingerprinted headers) is computed on the headers and written into the record, and a record
 //! made for another request is answered `422` instead of replayed (see `fingerprint`).
 //!
+//! A unary gRPC call is guarded the same way (see `grpc`): one request message, and an answer
+//! kept with its trailers when its `grpc-status` is in `store_grpc_statuses`; a call with a
+//! second message either way passes, or gives its lock back. Its replay goes by a second hop
+//! ([`Effect::Hop`]); the filter's refusals become gRPC statuses in the worker.
+//!
 //! Inbox mode (`"mode": "inbox"`) keys the same flow by the message id instead of an
 //! `Idempotency-Key`: read at headers (`ce-id` + `ce-source`, a header), or, when it is in the body
 //! (structured CloudEvents, a JSON pointer), by `Reading` the body first and then going on as
@@ -32,6 +37,7 @@ use std::rc::Rc;
 
 use crate::config::values::{FailureMode, MissingId, Mode, Subject};
 use crate::config::Config;
+use crate::http::grpc::{self, Frames};
 use crate::http::headers;
 use crate::request::detached::{self, UpstreamAnswer, UpstreamCall};
 use crate::request::fingerprint;
@@ -62,6 +68,8 @@ pub trait StreamView {
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>>;
     /// 16 bytes from the host's random source (WASI `random_get`), if it can give them.
     fn random_bytes(&self) -> Option<[u8; 16]>;
+    /// The response trailers, in order (read in the trailers callback).
+    fn response_trailers(&self) -> Vec<(String, Vec<u8>)>;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,6 +92,16 @@ pub enum Effect {
     /// Set a request header before the request goes on, replacing any value the client sent.
     SetRequestHeader(String, String),
     RemoveRequestHeader(String),
+    /// gRPC replay: send the paused request, its body (`body_len` bytes) replaced by `record`,
+    /// to the replay listener (see [`grpc::HOP_HEADER`]); answer `fallback` if that cannot be
+    /// done (never let the request go on as it is).
+    Hop {
+        record: Vec<u8>,
+        body_len: usize,
+        fallback: LocalResponse,
+    },
+    /// The replay listener: add these trailers to the answer it is sending.
+    AddResponseTrailers(Vec<(String, String)>),
     Count(Metric),
 }
 
@@ -114,6 +132,8 @@ struct Capture {
     seen: u64,
     /// Recorded without its body (too large).
     omitted: bool,
+    /// A gRPC answer: its messages, counted as they go by.
+    grpc: Option<Frames>,
 }
 
 /// How the request body becomes the body hash `begin` carries.
@@ -167,6 +187,14 @@ enum State {
         token: LockToken,
         capture: Capture,
     },
+    /// The replay listener: reading the record a re-routed retry carries.
+    HopReading {
+        body: Vec<u8>,
+    },
+    /// The replay listener: the record's message is on its way; its trailers follow it.
+    HopAnswering {
+        trailers: Vec<(String, String)>,
+    },
     /// Nothing left to do: not guarded, answered, failed open, committed or released.
     Done,
 }
@@ -188,11 +216,29 @@ pub struct Machine {
     print: Option<RequestPrint>,
     /// The request's `accept-encoding` values: a replay is never sent in a coding they refuse.
     accept_encoding: Vec<Vec<u8>>,
+    /// A guarded gRPC call: its request messages, counted as they go by.
+    grpc: Option<Frames>,
+    /// The request body's length when `begin` went out (what a gRPC replay replaces).
+    request_len: usize,
 }
 
 impl Machine {
     pub fn new(cfg: Rc<Config>) -> Machine {
-        Machine { cfg, state: State::Start, detach: None, print: None, accept_encoding: Vec::new() }
+        Machine {
+            cfg,
+            state: State::Start,
+            detach: None,
+            print: None,
+            accept_encoding: Vec::new(),
+            grpc: None,
+            request_len: 0,
+        }
+    }
+
+    /// A guarded gRPC call: the filter's own answers to it are gRPC statuses
+    /// (`problem::grpc`).
+    pub fn is_grpc(&self) -> bool {
+        self.grpc.is_some()
     }
 
     /// The store key, once derived: for log lines (a prefix of it, never the client's key).
@@ -204,7 +250,11 @@ impl Machine {
             | State::Executing { key, .. }
             | State::Detached { key, .. }
             | State::Capturing { key, .. } => Some(key),
-            State::Start | State::Reading { .. } | State::Done => None,
+            State::Start
+            | State::Reading { .. }
+            | State::HopReading { .. }
+            | State::HopAnswering { .. }
+            | State::Done => None,
         }
     }
 
@@ -255,6 +305,7 @@ fn release(key: String, token: LockToken) -> Vec<Effect> {
     vec![Effect::Store(StoreCall::Release { key, token }), Effect::Count(Metric::Released)]
 }
 
+mod hop;
 mod on_begin;
 mod on_request;
 mod on_response;

@@ -7,6 +7,7 @@ impl Machine {
     pub fn on_begin_answer(&mut self, answer: Result<BeginAnswer, CalloutFault>) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::Beginning { key, body_hash } => match answer {
+                Ok(BeginAnswer::Replay(record)) if self.grpc.is_some() => self.grpc_replay(record),
                 Ok(BeginAnswer::Replay(record)) => {
                     let (answer, metric) =
                         replay::answer(&self.cfg, record, self.print.as_ref(), &self.accept_encoding);
@@ -26,10 +27,15 @@ impl Machine {
                 Ok(BeginAnswer::Busy { lock_ms }) => {
                     // What the store says is left of the holder's lock; never beyond its TTL.
                     let left = lock_ms.unwrap_or(1).min(self.cfg.lock_ttl_ms);
-                    let problem = match self.cfg.inbox() {
+                    let mut problem = match self.cfg.inbox() {
                         Some(_) => problem::message_in_flight(left),
                         None => problem::in_flight(left),
                     };
+                    if self.grpc.is_some() {
+                        // The lock's exact time left, for the client's retry (`retry-after` has
+                        // whole seconds).
+                        problem = problem::grpc(problem, Some(left));
+                    }
                     vec![Effect::Respond(problem), Effect::Count(Metric::Conflicted)]
                 }
                 Ok(BeginAnswer::Locked { token }) => match self.detach.take() {

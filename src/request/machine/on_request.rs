@@ -10,6 +10,16 @@ impl Machine {
             return Step::go(vec![]);
         }
         self.state = State::Done;
+        if self.cfg.mode == Mode::GrpcReplay {
+            return self.hop_headers(view, end_of_stream);
+        }
+        if !view.request_header(grpc::HOP_HEADER).is_empty() {
+            // Only this filter sends a request to the replay listener.
+            if grpc::kind(first(view.request_header("content-type")).as_deref()) == grpc::Kind::Grpc {
+                self.grpc = Some(Frames::default());
+            }
+            return reject(problem::hop_header());
+        }
         let method = first(view.request_header(":method"));
         let Some(method) = method.as_deref().and_then(|m| std::str::from_utf8(m).ok()) else {
             return Step::go(vec![]);
@@ -20,10 +30,16 @@ impl Machine {
         // `post` (HTTP/2 lets it through) is guarded as, and shares records with, `POST`.
         let method = method.to_ascii_uppercase();
         if self.cfg.inbox().is_some() {
+            if let Some(step) = self.grpc_headers(view) {
+                return step;
+            }
             return self.inbox_headers(view, method, end_of_stream);
         }
         if self.cfg.mode == Mode::Mint {
             return mint(view);
+        }
+        if let Some(step) = self.grpc_headers(view) {
+            return step;
         }
         let values = view.request_header("idempotency-key");
         let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
@@ -50,6 +66,31 @@ impl Machine {
         self.guard(view, key, effects, end_of_stream)
     }
 
+    /// A gRPC call: guarded as a unary call (noted in `self.grpc`), or let through at once
+    /// (`Some`) when it cannot be one: gRPC-Web, or a method `grpc_streaming_methods` lists.
+    pub(super) fn grpc_headers(&mut self, view: &dyn StreamView) -> Option<Step> {
+        match grpc::kind(first(view.request_header("content-type")).as_deref()) {
+            grpc::Kind::Http => None,
+            grpc::Kind::Grpc => {
+                let path = first(view.request_header(":path")).unwrap_or_default();
+                if !self.cfg.streams_grpc(&path) {
+                    self.grpc = Some(Frames::default());
+                    return None;
+                }
+                Some(self.unguarded(view))
+            }
+            grpc::Kind::GrpcWeb => Some(self.unguarded(view)),
+        }
+    }
+
+    /// A gRPC call let through unguarded, counted.
+    pub(super) fn unguarded(&mut self, view: &dyn StreamView) -> Step {
+        self.state = State::Done;
+        let mut effects = self.strip_store_key_header(view);
+        effects.push(Effect::Count(Metric::GrpcUnguarded));
+        Step::go(effects)
+    }
+
     /// Takes the request under guard with its store key: the body is read to its end, then
     /// `begin` goes out.
     pub(super) fn guard(
@@ -62,7 +103,9 @@ impl Machine {
         if let Some(name) = &self.cfg.store_key_header {
             effects.push(Effect::SetRequestHeader(name.clone(), key.clone()));
         }
-        if self.cfg.detached_execution {
+        // A gRPC answer needs its trailers, which a callout's answer cannot give back as a
+        // stream's: a gRPC call runs routed.
+        if self.cfg.detached_execution && self.grpc.is_none() {
             self.detach = self.capture_for_detach(view, Some(&key));
         }
         self.accept_encoding = view.request_header("accept-encoding");
@@ -123,7 +166,7 @@ impl Machine {
                 }
                 // A client's value goes now: the id, and so the key, may never come.
                 let effects = self.strip_store_key_header(view);
-                if self.cfg.detached_execution {
+                if self.cfg.detached_execution && self.grpc.is_none() {
                     self.detach = self.capture_for_detach(view, None);
                 }
                 // Read now: the request headers may be gone by the time the id is.
@@ -182,6 +225,9 @@ impl Machine {
     }
 
     pub fn on_request_body(&mut self, view: &dyn StreamView, buffered: usize, end_of_stream: bool) -> Step {
+        if matches!(self.state, State::HopReading { .. }) {
+            return self.hop_body(view, buffered, end_of_stream);
+        }
         let (digest, seen, kept) = match &mut self.state {
             State::Hashing { digest, seen, .. } => (Some(digest), *seen, None),
             State::Reading { body, .. } => (None, body.len(), Some(body)),
@@ -196,7 +242,7 @@ impl Machine {
             // Envoy hands us the whole buffered body each time: read only what is new, and only
             // when something needs it (inbox mode hashes nothing).
             let hashing = matches!(digest, Some(BodyDigest::Raw(_) | BodyDigest::Json(_)));
-            if hashing || kept.is_some() || self.detach.is_some() {
+            if hashing || kept.is_some() || self.detach.is_some() || self.grpc.is_some() {
                 let Some(chunk) = view.request_body(seen, buffered - seen) else {
                     // The host could not hand over the body: the guarantee cannot be checked.
                     return Step::pause(self.give_up());
@@ -212,6 +258,9 @@ impl Machine {
                 if let Some(d) = &mut self.detach {
                     d.body.extend_from_slice(&chunk);
                 }
+                if let Some(frames) = &mut self.grpc {
+                    frames.feed(&chunk);
+                }
                 now += chunk.len();
             } else {
                 now = buffered;
@@ -219,6 +268,11 @@ impl Machine {
         }
         if let State::Hashing { seen, .. } = &mut self.state {
             *seen = now;
+        }
+        if self.grpc.as_ref().is_some_and(|f| f.messages > 1) {
+            // A second message: the call streams. No lock is held yet: it goes on unguarded.
+            self.state = State::Done;
+            return Step::pause(vec![Effect::Resume, Effect::Count(Metric::GrpcUnguarded)]);
         }
         if end_of_stream {
             return self.end_of_request_body();
@@ -243,7 +297,8 @@ impl Machine {
 
     pub(super) fn begin(&mut self) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
-            State::Hashing { key, digest, .. } => {
+            State::Hashing { key, digest, seen } => {
+                self.request_len = seen;
                 let body_hash = match digest {
                     BodyDigest::Raw(hasher) => key::hex(&hasher.finalize()),
                     BodyDigest::Json(body) => match &self.cfg.fingerprint_json {
@@ -360,6 +415,9 @@ struct NoHeaders;
 impl StreamView for NoHeaders {
     fn random_bytes(&self) -> Option<[u8; 16]> {
         None
+    }
+    fn response_trailers(&self) -> Vec<(String, Vec<u8>)> {
+        Vec::new()
     }
     fn request_header(&self, _: &str) -> Vec<Vec<u8>> {
         Vec::new()

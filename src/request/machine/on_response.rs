@@ -5,10 +5,18 @@
 //! [`keep`]: crate::request::keep
 
 use super::*;
+use crate::config::values::TooLarge;
+
+fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
+    pairs.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+}
 
 impl Machine {
     pub fn on_response_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
         match std::mem::replace(&mut self.state, State::Done) {
+            State::Executing { key, body_hash, token } if self.grpc.is_some() => {
+                Step::go(self.grpc_response_headers(view, key, body_hash, token, end_of_stream))
+            }
             State::Executing { key, body_hash, token } => {
                 let status = first(view.response_header(":status"))
                     .and_then(|s| std::str::from_utf8(&s).ok().and_then(|s| s.parse::<u16>().ok()))
@@ -24,7 +32,8 @@ impl Machine {
                         return Step::go(self.end_without_record(key, token, body_hash, status, keep))
                     }
                 };
-                let capture = Capture { head, headers: recorded, body: Vec::new(), seen: 0, omitted };
+                let capture =
+                    Capture { head, headers: recorded, body: Vec::new(), seen: 0, omitted, grpc: None };
                 self.state = State::Capturing { key, body_hash, token, capture };
                 if end_of_stream {
                     return Step::go(self.finish_capture());
@@ -50,9 +59,15 @@ impl Machine {
     }
 
     pub fn on_response_body(&mut self, view: &dyn StreamView, chunk_len: usize, end_of_stream: bool) -> Step {
+        if matches!(self.state, State::HopAnswering { .. }) {
+            return self.hop_answer_body(end_of_stream);
+        }
         let State::Capturing { capture, .. } = &mut self.state else {
             return Step::go(vec![]);
         };
+        if capture.grpc.is_some() {
+            return Step::go(self.grpc_response_body(view, chunk_len, end_of_stream));
+        }
         if chunk_len > 0 {
             capture.seen = capture.seen.saturating_add(chunk_len as u64);
             let mut keep = keep::decide(&self.cfg, &capture.head.with_body(capture.seen));
@@ -78,12 +93,153 @@ impl Machine {
         Step::go(vec![])
     }
 
-    /// Trailers end the response body; they are not stored.
-    pub fn on_response_trailers(&mut self) -> Step {
-        if matches!(self.state, State::Capturing { .. }) {
-            return Step::go(self.finish_capture());
+    /// Trailers end the response body; an HTTP answer's are not stored, a gRPC answer's are.
+    pub fn on_response_trailers(&mut self, view: &dyn StreamView) -> Step {
+        match &self.state {
+            State::Capturing { capture, .. } if capture.grpc.is_some() => {
+                let trailers = view.response_trailers();
+                let values_of = |name: &str| values(&trailers, name);
+                let trailers = self.grpc_trailers(&values_of);
+                Step::go(self.finish_grpc(trailers))
+            }
+            State::Capturing { .. } => Step::go(self.finish_capture()),
+            _ => Step::go(vec![]),
         }
-        Step::go(vec![])
+    }
+
+    /// A guarded gRPC call's answer headers: a gRPC answer is captured (or, trailers-only,
+    /// decided at once); anything else gives the lock back.
+    fn grpc_response_headers(
+        &mut self,
+        view: &dyn StreamView,
+        key: String,
+        body_hash: String,
+        token: LockToken,
+        end_of_stream: bool,
+    ) -> Vec<Effect> {
+        let status = first(view.response_header(":status"));
+        let values_of = |name: &str| view.response_header(name);
+        let (head, mut headers) = self.answer_head(200, None, values_of);
+        let is_grpc = grpc::kind(head.content_type.as_deref()) == grpc::Kind::Grpc;
+        if status.as_deref() != Some(b"200") || !is_grpc || !head.readable {
+            return release(key, token);
+        }
+        // How the message is compressed: a replay without it could not be read.
+        if !self.cfg.replay_headers.iter().any(|n| n == "grpc-encoding") {
+            for v in view.response_header("grpc-encoding") {
+                if let Ok(v) = String::from_utf8(v) {
+                    headers.push(("grpc-encoding".to_string(), v));
+                }
+            }
+        }
+        let capture = Capture {
+            head,
+            headers,
+            body: Vec::new(),
+            seen: 0,
+            omitted: false,
+            grpc: Some(Frames::default()),
+        };
+        self.state = State::Capturing { key, body_hash, token, capture };
+        if end_of_stream {
+            // Trailers-only: the status is in the headers.
+            let trailers = self.grpc_trailers(&values_of);
+            return self.finish_grpc(trailers);
+        }
+        vec![]
+    }
+
+    fn grpc_response_body(
+        &mut self,
+        view: &dyn StreamView,
+        chunk_len: usize,
+        end_of_stream: bool,
+    ) -> Vec<Effect> {
+        let State::Capturing { capture, .. } = &mut self.state else { return vec![] };
+        let Some(frames) = &mut capture.grpc else { return vec![] };
+        if chunk_len > 0 {
+            let Some(chunk) = view.response_body(0, chunk_len) else {
+                // The messages cannot be counted: nothing is kept.
+                return self.abandon_capture(Keep::Release);
+            };
+            frames.feed(&chunk);
+            if frames.messages > 1 {
+                let mut effects = self.abandon_capture(Keep::Release);
+                effects.push(Effect::Count(Metric::GrpcUnguarded));
+                return effects;
+            }
+            capture.seen = capture.seen.saturating_add(chunk_len as u64);
+            if !capture.omitted && capture.seen > self.cfg.max_record_bytes as u64 {
+                match self.cfg.record_too_large {
+                    TooLarge::OmitBody => {
+                        capture.omitted = true;
+                        capture.body = Vec::new();
+                    }
+                    TooLarge::Release => return self.abandon_capture(Keep::Release),
+                }
+            }
+            if !capture.omitted {
+                capture.body.extend_from_slice(&chunk);
+            }
+        }
+        if end_of_stream {
+            // Cut without trailers: no status to keep.
+            return self.abandon_capture(Keep::Release);
+        }
+        vec![]
+    }
+
+    /// The trailers a gRPC record keeps: the status, its message and details, and the
+    /// allow-listed metadata (`replay_headers`) that came after the message.
+    fn grpc_trailers(&self, values_of: &dyn Fn(&str) -> Vec<Vec<u8>>) -> Vec<(String, String)> {
+        let always = ["grpc-status", "grpc-message", "grpc-status-details-bin"];
+        let listed = self.cfg.replay_headers.iter().map(String::as_str).filter(|n| !always.contains(n));
+        let mut out = Vec::new();
+        for name in always.into_iter().chain(listed) {
+            if name == "content-type" {
+                continue;
+            }
+            for value in values_of(name) {
+                if headers::is_valid_value(&value) {
+                    if let Ok(v) = String::from_utf8(value) {
+                        out.push((name.to_string(), v));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// A gRPC answer ended with `trailers`: kept when its status is one `store_grpc_statuses`
+    /// lists and it was one whole message (or none); else the lock is given back.
+    fn finish_grpc(&mut self, trailers: Vec<(String, String)>) -> Vec<Effect> {
+        let State::Capturing { key, body_hash, token, capture } =
+            std::mem::replace(&mut self.state, State::Done)
+        else {
+            return vec![];
+        };
+        let statuses: Vec<&String> =
+            trailers.iter().filter(|(n, _)| n == "grpc-status").map(|(_, v)| v).collect();
+        let code = match statuses.as_slice() {
+            [one] => grpc::parse_status(one.as_bytes()),
+            _ => None,
+        };
+        let whole = capture.grpc.as_ref().is_some_and(|f| f.complete() && f.messages <= 1);
+        let fits = record::headers_fit(&capture.headers) && record::headers_fit(&trailers);
+        match code {
+            Some(code) if self.cfg.store_grpc_statuses.contains(code) && whole && fits => {
+                let record = Record {
+                    status: 200,
+                    headers: capture.headers,
+                    body: capture.body,
+                    body_omitted: capture.omitted,
+                    print: self.print.clone(),
+                    trailers: Some(trailers),
+                };
+                vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
+            }
+            _ => release(key, token),
+        }
     }
 
     pub(super) fn finish_capture(&mut self) -> Vec<Effect> {
@@ -95,6 +251,7 @@ impl Machine {
                     body: capture.body,
                     body_omitted: capture.omitted,
                     print: self.print.clone(),
+                    trailers: None,
                 };
                 vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
             }
@@ -181,8 +338,14 @@ impl Machine {
             }
         };
         let body = if omitted { Vec::new() } else { answer.body };
-        let record =
-            Record { status: answer.status, headers, body, body_omitted: omitted, print: self.print.clone() };
+        let record = Record {
+            status: answer.status,
+            headers,
+            body,
+            body_omitted: omitted,
+            print: self.print.clone(),
+            trailers: None,
+        };
         effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
         if gone {
             effects.push(Effect::Count(Metric::CommittedAfterGone));

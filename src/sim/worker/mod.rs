@@ -520,6 +520,10 @@ impl World {
 
     fn carry_out(&mut self, command: Command) -> Result<(), String> {
         match command {
+            // This world sends no gRPC calls, and runs no replay listener.
+            Command::Hop { stream, .. } | Command::AddResponseTrailers { stream, .. } => {
+                return self.violation(format!("a gRPC command for stream {stream}"));
+            }
             Command::Respond { stream, response } => {
                 let i = self.addressed(stream, "a local answer", true)?;
                 let s = &self.streams[i];

@@ -136,6 +136,7 @@ impl World {
             body: format!("exec {} of {client_key} {body} elsewhere", self.executions).into_bytes(),
             body_omitted: false,
             print: Some(print),
+            trailers: None,
         };
         let body_hash = crate::request::key::hex(&sha2::Digest::finalize(
             <sha2::Sha256 as sha2::Digest>::new_with_prefix(body),

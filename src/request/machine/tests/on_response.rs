@@ -238,7 +238,7 @@ fn response_trailers_end_the_capture() {
     s.on_response_headers(&v, false);
     v.response_chunk = b"{}".to_vec();
     s.on_response_body(&v, 2, false);
-    let step = s.on_response_trailers();
+    let step = s.on_response_trailers(&v);
     assert!(matches!(step.effects.as_slice(), [Effect::Store(StoreCall::Commit { .. })]));
 }
 

@@ -46,6 +46,7 @@ fn random_event_sequences_keep_the_invariants() {
                             target: [next(2) as u8; 32],
                             headers: vec![],
                         }),
+                        trailers: None,
                     })),
                     _ => Ok(BeginAnswer::Locked { token: "".into() }),
                 }),

@@ -1,0 +1,143 @@
+//! gRPC replays, on both sides of the second hop.
+//!
+//! Envoy's local reply to a gRPC request is trailers-only: it cannot carry a message and
+//! trailers. So the guard re-routes a retry whose record holds a message ([`Effect::Hop`]): the
+//! record becomes the request's body, [`grpc::HOP_HEADER`] selects the route to an internal
+//! listener, and there this filter, in `"mode": "grpc_replay"`, sees a request that is not gRPC,
+//! answers the record's message as a plain local reply and adds its trailers as the reply goes
+//! by. The first hop forwards headers, message and trailers as they are.
+
+use super::*;
+
+/// The most the replay listener reads: a record of the largest `max_record_bytes` and its
+/// headers and trailers.
+const MAX_HOP_BODY: usize = 8 * 1024 * 1024 + 2 * record::MAX_HEADERS * (record::MAX_HEADER_VALUE + 256);
+
+impl Machine {
+    /// The guard: the answer for a gRPC retry whose key has `record`.
+    pub(super) fn grpc_replay(&self, mut record: Record) -> Vec<Effect> {
+        if let (Some(made_for), Some(retry)) = (&record.print, self.print.as_ref()) {
+            if let Some(what) = made_for.differs_from(retry) {
+                return vec![Effect::Respond(problem::key_reused(&what)), Effect::Count(Metric::Mismatched)];
+            }
+        }
+        let marker = (self.cfg.replay_header.clone(), "true".to_string());
+        let content_type = record
+            .headers
+            .iter()
+            .find(|(n, _)| n == "content-type")
+            .map_or_else(|| "application/grpc".to_string(), |(_, v)| v.clone());
+        let Some(trailers) = record.trailers.take() else {
+            // An HTTP answer under this key (the same path, posted without gRPC).
+            let message =
+                "key-reused: This Idempotency-Key was already used with a request that was not a gRPC call.";
+            return vec![
+                Effect::Respond(problem::grpc_status(grpc::FAILED_PRECONDITION, message, vec![])),
+                Effect::Count(Metric::Mismatched),
+            ];
+        };
+        let mut metadata: Vec<(String, String)> =
+            record.headers.into_iter().filter(|(n, _)| n != "content-type").collect();
+        metadata.push(marker);
+        if record.body_omitted {
+            metadata.push((self.cfg.body_omitted_header.clone(), "true".to_string()));
+            let message = "answer-omitted: This call already ran; its answer was too large to keep \
+                           (max_record_bytes), so it is not replayed.";
+            return vec![
+                Effect::Respond(problem::grpc_status(grpc::ALREADY_EXISTS, message, metadata)),
+                Effect::Count(Metric::Replayed),
+            ];
+        }
+        if record.body.is_empty() {
+            // A trailers-only answer: a local reply says it as it was.
+            let mut headers = vec![("content-type".to_string(), content_type)];
+            headers.extend(trailers);
+            headers.extend(metadata);
+            return vec![
+                Effect::Respond(LocalResponse { status: 200, headers, body: Vec::new() }),
+                Effect::Count(Metric::Replayed),
+            ];
+        }
+        // The marker travels in the record: the replay listener needs no configuration.
+        let mut headers = vec![("content-type".to_string(), content_type)];
+        headers.extend(metadata);
+        let hop = Record { headers, trailers: Some(trailers), print: None, ..record };
+        let fallback = problem::grpc_status(
+            grpc::UNAVAILABLE,
+            "replay-failed: The stored answer could not be replayed; retry with the same key.",
+            vec![],
+        );
+        vec![
+            Effect::Hop { record: hop.encode(), body_len: self.request_len, fallback },
+            Effect::Count(Metric::Replayed),
+        ]
+    }
+
+    /// The replay listener, on the request headers: only a re-routed retry is answered.
+    pub(super) fn hop_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
+        let content_type = first(view.request_header("content-type"));
+        let rerouted = !view.request_header(grpc::HOP_HEADER).is_empty()
+            && first(view.request_header(":path")).as_deref() == Some(grpc::HOP_PATH.as_bytes())
+            && content_type.as_deref() == Some(grpc::RECORD_CONTENT_TYPE.as_bytes());
+        if !rerouted || end_of_stream {
+            return Step::pause(vec![Effect::Respond(not_a_replay())]);
+        }
+        self.state = State::HopReading { body: Vec::new() };
+        Step::pause(vec![])
+    }
+
+    pub(super) fn hop_body(&mut self, view: &dyn StreamView, buffered: usize, end_of_stream: bool) -> Step {
+        let State::HopReading { body } = &mut self.state else { return Step::go(vec![]) };
+        if buffered > MAX_HOP_BODY {
+            self.state = State::Done;
+            return Step::pause(vec![Effect::Respond(not_a_replay())]);
+        }
+        if buffered > body.len() {
+            match view.request_body(body.len(), buffered - body.len()) {
+                Some(chunk) => body.extend_from_slice(&chunk),
+                None => {
+                    self.state = State::Done;
+                    return Step::pause(vec![Effect::Respond(not_a_replay())]);
+                }
+            }
+        }
+        if !end_of_stream {
+            return Step::pause(vec![]);
+        }
+        let State::HopReading { body } = std::mem::replace(&mut self.state, State::Done) else {
+            return Step::go(vec![]);
+        };
+        match Record::decode(&body) {
+            Ok(Record {
+                status: 200, headers, body, body_omitted: false, trailers: Some(trailers), ..
+            }) if !body.is_empty() => {
+                self.state = State::HopAnswering { trailers };
+                Step::pause(vec![Effect::Respond(LocalResponse { status: 200, headers, body })])
+            }
+            _ => Step::pause(vec![Effect::Respond(not_a_replay())]),
+        }
+    }
+
+    /// The replay listener: the last of the answer's body goes by; its trailers follow.
+    pub(super) fn hop_answer_body(&mut self, end_of_stream: bool) -> Step {
+        if !end_of_stream {
+            return Step::go(vec![]);
+        }
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::HopAnswering { trailers } => Step::go(vec![Effect::AddResponseTrailers(trailers)]),
+            other => {
+                self.state = other;
+                Step::go(vec![])
+            }
+        }
+    }
+}
+
+/// The replay listener's answer to anything but a well-formed re-routed retry.
+fn not_a_replay() -> LocalResponse {
+    problem::grpc_status(
+        grpc::INTERNAL,
+        "replay-failed: The replay listener takes only retries the idempotency filter re-routes.",
+        vec![],
+    )
+}
