@@ -77,6 +77,7 @@ fn answer(status: &str, content_type: Option<&str>, body: &[u8]) -> UpstreamAnsw
 }
 
 mod detached;
+mod grpc;
 mod inbox;
 mod on_begin;
 mod on_request;

@@ -19,6 +19,13 @@ fn random_event_sequences_keep_the_invariants() {
         let mut v = MockView::post(if next(5) == 0 { None } else { Some("k") });
         v.prop("xds.cluster_name", "app");
         v.request_body = vec![b'x'; 120];
+        if next(4) == 0 {
+            // A gRPC call: one message of 7 bytes, then what looks like a second one.
+            v.req("content-type", "application/grpc");
+            v.request_body[..5].copy_from_slice(&[0, 0, 0, 0, 7]);
+            let status = ["0", "5", "x"][next(3) as usize];
+            v.response_trailers = vec![("grpc-status".into(), status.as_bytes().to_vec())];
+        }
         let configs = [
             r#""#,
             r#","failure_mode":"closed""#,
@@ -55,9 +62,13 @@ fn random_event_sequences_keep_the_invariants() {
                         ":status".to_string(),
                         ["200", "201", "204", "500", "302", "404"][next(6) as usize].as_bytes().to_vec(),
                     )];
-                    if let Some(ct) =
-                        [Some("application/json"), Some("text/plain"), Some("text/event-stream"), None]
-                            [next(4) as usize]
+                    if let Some(ct) = [
+                        Some("application/json"),
+                        Some("text/plain"),
+                        Some("text/event-stream"),
+                        Some("application/grpc"),
+                        None,
+                    ][next(5) as usize]
                     {
                         headers.push(("content-type".into(), ct.as_bytes().to_vec()));
                     }
