@@ -218,7 +218,7 @@ fn random_u64(seed: u32) -> u64 {
 }
 
 impl Context for Root {
-    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, trailers: usize) {
         let Some(vm) = &self.vm else { return };
         let headers = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default();
         let body = if body_size > 0 {
@@ -229,7 +229,12 @@ impl Context for Root {
         } else {
             Vec::new()
         };
-        vm.run(|c| c.on_callout_answer(token, headers, body, &HostEnv));
+        let trailers = if trailers > 0 {
+            hostcalls::get_map_bytes(MapType::HttpCallResponseTrailers).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        vm.run(|c| c.on_callout_answer_with_trailers(token, headers, body, trailers, &HostEnv));
     }
 }
 

@@ -55,6 +55,8 @@ pub struct UpstreamAnswer {
     pub status: u16,
     pub headers: Vec<(String, Vec<u8>)>,
     pub body: Vec<u8>,
+    /// A gRPC answer's trailers (empty for most HTTP answers).
+    pub trailers: Vec<(String, Vec<u8>)>,
 }
 
 impl UpstreamAnswer {
@@ -75,7 +77,7 @@ impl UpstreamAnswer {
         match status {
             504 if !from_upstream => Err(CalloutFault::Timeout),
             503 if !from_upstream => Err(CalloutFault::Reset),
-            _ => Ok(UpstreamAnswer { status, headers, body }),
+            _ => Ok(UpstreamAnswer { status, headers, body, trailers: Vec::new() }),
         }
     }
 

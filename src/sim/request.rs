@@ -245,7 +245,7 @@ impl Driver {
             self.step(Event::BeginAnswer(Ok(BeginAnswer::Locked { token: "".into() })))?;
         }
         if self.upstream_pending {
-            let answer = UpstreamAnswer { status: 201, headers: vec![], body: vec![] };
+            let answer = UpstreamAnswer { status: 201, headers: vec![], body: vec![], trailers: vec![] };
             self.step(Event::UpstreamAnswer(Ok(answer)))?;
         }
         if !self.stream.is_settled() {

@@ -90,6 +90,11 @@ pub struct Coordinator {
     /// answer without a body, and labels a body without one `text/plain`), by stream: set (or
     /// removed, `None`) when the answer passes this filter's response callback.
     restore: HashMap<u32, Option<String>>,
+    /// gRPC replays decided in a stream callback, for the root to carry out: inside the
+    /// stream's own body callback Envoy would hand over the current chunk as the body, and
+    /// defers the resume (see `request::machine::hop`).
+    hops: Vec<Command>,
+    hop_wake: bool,
     commands: VecDeque<Command>,
     callback: Callback,
 }
@@ -102,6 +107,8 @@ impl Coordinator {
             cfg,
             streams: HashMap::new(),
             restore: HashMap::new(),
+            hops: Vec::new(),
+            hop_wake: false,
             commands: VecDeque::new(),
             callback: Callback::Stream,
         }
@@ -184,6 +191,9 @@ impl Coordinator {
         if !self.restore.is_empty() {
             self.restore.remove(&id);
         }
+        if !self.hops.is_empty() {
+            self.hops.retain(|h| !matches!(h, Command::Hop { stream, .. } if *stream == id));
+        }
         let Some(entry) = self.streams.get_mut(&id) else { return };
         let effects = entry.machine.on_stream_end();
         if entry.machine.is_settled() {
@@ -210,6 +220,9 @@ impl Coordinator {
     /// The root's wake-up: dispatch everything queued.
     pub fn on_queue_ready(&mut self, env: &dyn Env) {
         self.callback = Callback::Root;
+        self.hop_wake = false;
+        // Those of streams that went away meanwhile were dropped (`on_stream_done`).
+        self.commands.extend(std::mem::take(&mut self.hops));
         self.callouts.flush(env, &mut self.commands);
     }
 
@@ -217,6 +230,12 @@ impl Coordinator {
     /// now (each request fails open or closed as configured).
     pub fn on_wake_failed(&mut self, env: &dyn Env) {
         self.callback = Callback::Stream;
+        self.hop_wake = false;
+        for hop in std::mem::take(&mut self.hops) {
+            if let Command::Hop { stream, fallback, .. } = hop {
+                self.commands.push_back(Command::Respond { stream, response: fallback });
+            }
+        }
         for job in self.callouts.take_queued() {
             let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
             self.finish(job, outcome, env);
@@ -241,6 +260,18 @@ impl Coordinator {
         token: u32,
         headers: Vec<(String, Vec<u8>)>,
         body: Vec<u8>,
+        env: &dyn Env,
+    ) {
+        self.on_callout_answer_with_trailers(token, headers, body, Vec::new(), env);
+    }
+
+    /// [`Self::on_callout_answer`] with the answer's trailers (a detached gRPC call's).
+    pub fn on_callout_answer_with_trailers(
+        &mut self,
+        token: u32,
+        headers: Vec<(String, Vec<u8>)>,
+        body: Vec<u8>,
+        trailers: Vec<(String, Vec<u8>)>,
         env: &dyn Env,
     ) {
         self.callback = Callback::Root;
@@ -270,7 +301,9 @@ impl Coordinator {
             }
             Call::Store(StoreCall::Commit { .. }) => Answered::Commit(answer.commit()),
             Call::Store(StoreCall::Release { .. }) => Answered::Release(answer.release().map(|_| ())),
-            Call::Upstream(_) => Answered::Upstream(UpstreamAnswer::decode(headers, body)),
+            Call::Upstream(_) => Answered::Upstream(
+                UpstreamAnswer::decode(headers, body).map(|a| UpstreamAnswer { trailers, ..a }),
+            ),
         };
         self.finish(job, outcome, env);
     }
@@ -518,7 +551,16 @@ impl Coordinator {
                 }
                 Effect::Resume if alive => self.commands.push_back(Command::Resume { stream }),
                 Effect::Hop { record, body_len, fallback } if alive => {
-                    self.commands.push_back(Command::Hop { stream, record, body_len, fallback })
+                    let hop = Command::Hop { stream, record, body_len, fallback };
+                    if self.callback == Callback::Root {
+                        self.commands.push_back(hop);
+                    } else {
+                        self.hops.push(hop);
+                        if !self.hop_wake {
+                            self.hop_wake = true;
+                            self.commands.push_back(Command::Wake);
+                        }
+                    }
                 }
                 Effect::Respond(_) | Effect::Resume | Effect::Hop { .. } => {}
                 Effect::AddResponseTrailers(trailers) => {

@@ -15,19 +15,13 @@ const MAX_HOP_BODY: usize = 8 * 1024 * 1024 + 2 * record::MAX_HEADERS * (record:
 
 impl Machine {
     /// The guard: the answer for a gRPC retry whose key has `record`.
-    pub(super) fn grpc_replay(&self, mut record: Record) -> Vec<Effect> {
+    pub(super) fn grpc_replay(&self, record: Record) -> Vec<Effect> {
         if let (Some(made_for), Some(retry)) = (&record.print, self.print.as_ref()) {
             if let Some(what) = made_for.differs_from(retry) {
                 return vec![Effect::Respond(problem::key_reused(&what)), Effect::Count(Metric::Mismatched)];
             }
         }
-        let marker = (self.cfg.replay_header.clone(), "true".to_string());
-        let content_type = record
-            .headers
-            .iter()
-            .find(|(n, _)| n == "content-type")
-            .map_or_else(|| "application/grpc".to_string(), |(_, v)| v.clone());
-        let Some(trailers) = record.trailers.take() else {
+        if record.trailers.is_none() {
             // An HTTP answer under this key (the same path, posted without gRPC).
             let message =
                 "key-reused: This Idempotency-Key was already used with a request that was not a gRPC call.";
@@ -35,31 +29,38 @@ impl Machine {
                 Effect::Respond(problem::grpc_status(grpc::FAILED_PRECONDITION, message, vec![])),
                 Effect::Count(Metric::Mismatched),
             ];
-        };
+        }
+        vec![self.grpc_answer(record, true), Effect::Count(Metric::Replayed)]
+    }
+
+    /// How the client gets a gRPC answer the filter holds (a record with trailers): a local
+    /// reply when it has no message, else the second hop. `replay`: it is a replay, and says so.
+    pub(super) fn grpc_answer(&self, mut record: Record, replay: bool) -> Effect {
+        let trailers = record.trailers.take().unwrap_or_default();
+        let content_type = record
+            .headers
+            .iter()
+            .find(|(n, _)| n == "content-type")
+            .map_or_else(|| "application/grpc".to_string(), |(_, v)| v.clone());
         let mut metadata: Vec<(String, String)> =
             record.headers.into_iter().filter(|(n, _)| n != "content-type").collect();
-        metadata.push(marker);
+        if replay {
+            metadata.push((self.cfg.replay_header.clone(), "true".to_string()));
+        }
         if record.body_omitted {
             metadata.push((self.cfg.body_omitted_header.clone(), "true".to_string()));
             let message = "answer-omitted: This call already ran; its answer was too large to keep \
                            (max_record_bytes), so it is not replayed.";
-            return vec![
-                Effect::Respond(problem::grpc_status(grpc::ALREADY_EXISTS, message, metadata)),
-                Effect::Count(Metric::Replayed),
-            ];
+            return Effect::Respond(problem::grpc_status(grpc::ALREADY_EXISTS, message, metadata));
         }
+        let mut headers = vec![("content-type".to_string(), content_type)];
         if record.body.is_empty() {
             // A trailers-only answer: a local reply says it as it was.
-            let mut headers = vec![("content-type".to_string(), content_type)];
             headers.extend(trailers);
             headers.extend(metadata);
-            return vec![
-                Effect::Respond(LocalResponse { status: 200, headers, body: Vec::new() }),
-                Effect::Count(Metric::Replayed),
-            ];
+            return Effect::Respond(LocalResponse { status: 200, headers, body: Vec::new() });
         }
         // The marker travels in the record: the replay listener needs no configuration.
-        let mut headers = vec![("content-type".to_string(), content_type)];
         headers.extend(metadata);
         let hop = Record { headers, trailers: Some(trailers), print: None, ..record };
         let fallback = problem::grpc_status(
@@ -67,10 +68,7 @@ impl Machine {
             "replay-failed: The stored answer could not be replayed; retry with the same key.",
             vec![],
         );
-        vec![
-            Effect::Hop { record: hop.encode(), body_len: self.request_len, fallback },
-            Effect::Count(Metric::Replayed),
-        ]
+        Effect::Hop { record: hop.encode(), body_len: self.request_len, fallback }
     }
 
     /// The replay listener, on the request headers: only a re-routed retry is answered.
@@ -80,6 +78,9 @@ impl Machine {
             && first(view.request_header(":path")).as_deref() == Some(grpc::HOP_PATH.as_bytes())
             && content_type.as_deref() == Some(grpc::RECORD_CONTENT_TYPE.as_bytes());
         if !rerouted || end_of_stream {
+            log::warn!(
+                "replay listener: a request that is not a re-routed retry (end of stream: {end_of_stream})"
+            );
             return Step::pause(vec![Effect::Respond(not_a_replay())]);
         }
         self.state = State::HopReading { body: Vec::new() };
@@ -114,7 +115,14 @@ impl Machine {
                 self.state = State::HopAnswering { trailers };
                 Step::pause(vec![Effect::Respond(LocalResponse { status: 200, headers, body })])
             }
-            _ => Step::pause(vec![Effect::Respond(not_a_replay())]),
+            other => {
+                log::warn!(
+                    "replay listener: a re-routed retry without a replayable record ({} bytes: {:?})",
+                    body.len(),
+                    other.map(|r| (r.status, r.body.len(), r.trailers.is_some()))
+                );
+                Step::pause(vec![Effect::Respond(not_a_replay())])
+            }
         }
     }
 

@@ -103,9 +103,7 @@ impl Machine {
         if let Some(name) = &self.cfg.store_key_header {
             effects.push(Effect::SetRequestHeader(name.clone(), key.clone()));
         }
-        // A gRPC answer needs its trailers, which a callout's answer cannot give back as a
-        // stream's: a gRPC call runs routed.
-        if self.cfg.detached_execution && self.grpc.is_none() {
+        if self.cfg.detached_execution {
             self.detach = self.capture_for_detach(view, Some(&key));
         }
         self.accept_encoding = view.request_header("accept-encoding");
@@ -166,7 +164,7 @@ impl Machine {
                 }
                 // A client's value goes now: the id, and so the key, may never come.
                 let effects = self.strip_store_key_header(view);
-                if self.cfg.detached_execution && self.grpc.is_none() {
+                if self.cfg.detached_execution {
                     self.detach = self.capture_for_detach(view, None);
                 }
                 // Read now: the request headers may be gone by the time the id is.
@@ -325,6 +323,10 @@ impl Machine {
         let cluster = view.property(&["xds", "cluster_name"]).filter(|c| !c.is_empty())?;
         let cluster = String::from_utf8(cluster).ok()?;
         let mut headers = detached::forwardable_request(&view.request_headers())?;
+        if self.grpc.is_some() {
+            // gRPC servers may insist on it; the callout does not add it.
+            detached::set_header(&mut headers, "te", "trailers");
+        }
         if let Some(name) = &self.cfg.store_key_header {
             match key {
                 Some(key) => detached::set_header(&mut headers, name, key),

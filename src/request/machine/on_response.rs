@@ -7,6 +7,16 @@
 use super::*;
 use crate::config::values::TooLarge;
 
+/// The one `grpc-status` of an answer's trailers (two are none).
+fn single_status(trailers: &[(String, String)]) -> Option<u8> {
+    let statuses: Vec<&String> =
+        trailers.iter().filter(|(n, _)| n == "grpc-status").map(|(_, v)| v).collect();
+    match statuses.as_slice() {
+        [one] => grpc::parse_status(one.as_bytes()),
+        _ => None,
+    }
+}
+
 fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
     pairs.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
 }
@@ -105,6 +115,75 @@ impl Machine {
             State::Capturing { .. } => Step::go(self.finish_capture()),
             _ => Step::go(vec![]),
         }
+    }
+
+    /// The answer to a detached gRPC call: kept as a routed one would be, and sent to the
+    /// client (if still there) the way a replay is, without the replay marker.
+    fn grpc_upstream_answer(
+        &mut self,
+        answer: &UpstreamAnswer,
+        key: String,
+        body_hash: String,
+        token: LockToken,
+        gone: bool,
+    ) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        let values_of = |name: &str| values(&answer.headers, name);
+        let (head, mut headers) = self.answer_head(200, None, values_of);
+        let mut frames = Frames::default();
+        frames.feed(&answer.body);
+        let whole = frames.complete() && frames.messages <= 1;
+        if answer.status != 200 || grpc::kind(head.content_type.as_deref()) != grpc::Kind::Grpc {
+            if !gone {
+                effects.push(Effect::Respond(problem::upstream_failed()));
+            }
+            effects.extend(release(key, token));
+            return effects;
+        }
+        if !self.cfg.replay_headers.iter().any(|n| n == "grpc-encoding") {
+            headers.extend(
+                values_of("grpc-encoding")
+                    .into_iter()
+                    .filter_map(|v| Some(("grpc-encoding".to_string(), String::from_utf8(v).ok()?))),
+            );
+        }
+        // Trailers-only: the status is in the headers.
+        let source = if answer.trailers.is_empty() { &answer.headers } else { &answer.trailers };
+        let trailers = self.grpc_trailers(&|name: &str| values(source, name));
+        let live = Record {
+            status: 200,
+            headers,
+            body: answer.body.clone(),
+            body_omitted: false,
+            print: self.print.clone(),
+            trailers: Some(trailers),
+        };
+        if !gone {
+            // A streamed answer too, all its messages at once: it is not kept.
+            effects.push(self.grpc_answer(live.clone(), false));
+        }
+        if !whole {
+            effects.extend(release(key, token));
+            effects.push(Effect::Count(Metric::GrpcUnguarded));
+            return effects;
+        }
+        let too_large = live.body.len() > self.cfg.max_record_bytes;
+        let code = single_status(live.trailers.as_deref().unwrap_or_default());
+        let fits =
+            record::headers_fit(&live.headers) && live.trailers.as_deref().is_some_and(record::headers_fit);
+        let keep = code.is_some_and(|c| self.cfg.store_grpc_statuses.contains(c))
+            && fits
+            && !(too_large && self.cfg.record_too_large == TooLarge::Release);
+        if !keep {
+            effects.extend(release(key, token));
+            return effects;
+        }
+        let record = if too_large { Record { body: Vec::new(), body_omitted: true, ..live } } else { live };
+        effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
+        if gone {
+            effects.push(Effect::Count(Metric::CommittedAfterGone));
+        }
+        effects
     }
 
     /// A guarded gRPC call's answer headers: a gRPC answer is captured (or, trailers-only,
@@ -305,6 +384,9 @@ impl Machine {
             }
         };
         let mut effects = Vec::new();
+        if let (Some(_), Ok(answer)) = (&self.grpc, &answer) {
+            return self.grpc_upstream_answer(answer, key, body_hash, token, gone);
+        }
         let answer = match answer {
             Ok(a) => a,
             Err(fault) => {
