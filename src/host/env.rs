@@ -4,6 +4,8 @@
 //! absent value, never a panic.
 
 use proxy_wasm::hostcalls;
+
+use super::abi;
 use proxy_wasm::types::{BufferType, MapType};
 use std::cell::OnceCell;
 
@@ -49,7 +51,7 @@ fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
 }
 
 fn header_map(cell: &OnceCell<Vec<(String, Vec<u8>)>>, map: MapType) -> &[(String, Vec<u8>)] {
-    cell.get_or_init(|| hostcalls::get_map_bytes(map).unwrap_or_default())
+    cell.get_or_init(|| abi::get_map_bytes(map).unwrap_or_default())
 }
 
 impl StreamView for HostView {
@@ -65,7 +67,7 @@ impl StreamView for HostView {
         // are decided (method not guarded, no key) with two of them. Envoy's lookup returns the
         // first value only, so a header that is present and may repeat (`idempotency-key`:
         // two of them are a 400) is read from the whole map.
-        match hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name) {
+        match abi::get_map_value_bytes(MapType::HttpRequestHeaders, name) {
             Ok(None) => Vec::new(),
             Ok(Some(v)) if SINGLE_VALUED.contains(&name) => vec![v],
             _ => values(header_map(&self.request, MapType::HttpRequestHeaders), name),
@@ -77,19 +79,19 @@ impl StreamView for HostView {
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        hostcalls::get_property(path.to_vec()).ok().flatten()
+        abi::get_property(path).ok().flatten()
     }
 
     fn request_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
-        hostcalls::get_buffer(BufferType::HttpRequestBody, start, len).ok().map(Option::unwrap_or_default)
+        abi::get_buffer(BufferType::HttpRequestBody, start, len).ok().map(Option::unwrap_or_default)
     }
 
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
-        hostcalls::get_buffer(BufferType::HttpResponseBody, start, len).ok().map(Option::unwrap_or_default)
+        abi::get_buffer(BufferType::HttpResponseBody, start, len).ok().map(Option::unwrap_or_default)
     }
 
     fn response_trailers(&self) -> Vec<(String, Vec<u8>)> {
-        hostcalls::get_map_bytes(MapType::HttpResponseTrailers).unwrap_or_default()
+        abi::get_map_bytes(MapType::HttpResponseTrailers).unwrap_or_default()
     }
 
     fn random_bytes(&self) -> Option<[u8; 16]> {

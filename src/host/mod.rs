@@ -20,6 +20,7 @@ use crate::worker::command::Command;
 use crate::worker::coordinator::{Coordinator, Stepped};
 use crate::worker::env::Clock;
 
+mod abi;
 mod env;
 use env::{HostEnv, HostView};
 
@@ -69,51 +70,50 @@ impl Vm {
         match command {
             Command::Respond { stream, response: r } => {
                 // Also from a root callback (a store answer): the answer is for this stream.
-                let _ = hostcalls::set_effective_context(stream);
-                let headers: Vec<(&str, &str)> =
-                    r.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-                if let Err(s) = hostcalls::send_http_response(r.status, headers, Some(&r.body)) {
+                let _ = abi::set_effective_context(stream);
+                if let Err(s) = abi::send_http_response(r.status, &r.headers, Some(&r.body)) {
                     log::warn!("cannot send local response {}: {s:?}", r.status);
                     self.report(|c| c.on_respond_failed(stream));
                 }
             }
             Command::Resume { stream } => {
-                let _ = hostcalls::set_effective_context(stream);
-                if let Err(s) = hostcalls::resume_http_request() {
+                let _ = abi::set_effective_context(stream);
+                if let Err(s) = abi::resume_http_request() {
                     log::warn!("cannot resume request: {s:?}");
                 }
             }
             Command::Hop { stream, record, body_len, fallback } => {
-                let _ = hostcalls::set_effective_context(stream);
+                // Never another stream's body: a stream Envoy no longer knows needs nothing.
+                if abi::set_effective_context(stream).is_err() {
+                    return;
+                }
                 if let Err(step) = hop(&record, body_len) {
                     log::warn!("cannot re-route a gRPC replay ({step}): answering it as failed");
-                    let headers: Vec<(&str, &str)> =
-                        fallback.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-                    if let Err(s) = hostcalls::send_http_response(fallback.status, headers, None) {
+                    if let Err(s) = abi::send_http_response(fallback.status, &fallback.headers, None) {
                         log::warn!("cannot send local response: {s:?}");
                     }
                 }
             }
             Command::AddResponseTrailers { trailers, .. } => {
                 for (name, value) in &trailers {
-                    if let Err(s) = hostcalls::add_map_value(MapType::HttpResponseTrailers, name, value) {
+                    if let Err(s) = abi::add_map_value(MapType::HttpResponseTrailers, name, value) {
                         log::warn!("cannot add trailer {name}: {s:?}");
                     }
                 }
             }
             Command::SetRequestHeader { name, value, .. } => {
-                if let Err(s) = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value)) {
+                if let Err(s) = abi::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value)) {
                     log::warn!("cannot set request header {name}: {s:?}");
                 }
             }
             Command::RemoveRequestHeader { name, .. } => {
-                if let Err(s) = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None) {
+                if let Err(s) = abi::set_map_value(MapType::HttpRequestHeaders, &name, None) {
                     log::warn!("cannot remove request header {name}: {s:?}");
                 }
             }
             Command::Outcome { stream, outcome } => {
-                let _ = hostcalls::set_effective_context(stream);
-                if let Err(s) = hostcalls::set_property(vec![OUTCOME_PROPERTY], Some(outcome.as_bytes())) {
+                let _ = abi::set_effective_context(stream);
+                if let Err(s) = abi::set_property(&[OUTCOME_PROPERTY], outcome.as_bytes()) {
                     log::debug!("cannot set {OUTCOME_PROPERTY}: {s:?}");
                 }
             }
@@ -139,7 +139,7 @@ impl Vm {
             }
             Command::Dispatch(d) => {
                 // Envoy registers a callout with the effective context: make sure it is the root.
-                let _ = hostcalls::set_effective_context(self.root_id);
+                let _ = abi::set_effective_context(self.root_id);
                 let headers = d.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
                 let timeout = Duration::from_millis(d.timeout_ms);
                 let token = match hostcalls::dispatch_http_call(
@@ -166,14 +166,13 @@ impl Vm {
 fn hop(record: &[u8], body_len: usize) -> Result<(), &'static str> {
     use crate::http::grpc::{HOP_HEADER, HOP_PATH, RECORD_CONTENT_TYPE};
     let headers = MapType::HttpRequestHeaders;
-    hostcalls::set_map_value(headers, HOP_HEADER, Some("1")).map_err(|_| "marking it")?;
-    hostcalls::set_map_value(headers, ":path", Some(HOP_PATH)).map_err(|_| "its path")?;
-    hostcalls::set_map_value(headers, "content-type", Some(RECORD_CONTENT_TYPE))
-        .map_err(|_| "its content type")?;
-    hostcalls::set_map_value(headers, "content-length", None).map_err(|_| "its length")?;
-    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body_len, record).map_err(|_| "its body")?;
-    hostcalls::call_foreign_function("clear_route_cache", None).map_err(|_| "clearing the route")?;
-    hostcalls::resume_http_request().map_err(|_| "resuming it")
+    abi::set_map_value(headers, HOP_HEADER, Some("1")).map_err(|_| "marking it")?;
+    abi::set_map_value(headers, ":path", Some(HOP_PATH)).map_err(|_| "its path")?;
+    abi::set_map_value(headers, "content-type", Some(RECORD_CONTENT_TYPE)).map_err(|_| "its content type")?;
+    abi::set_map_value(headers, "content-length", None).map_err(|_| "its length")?;
+    abi::set_buffer(BufferType::HttpRequestBody, 0, body_len, record).map_err(|_| "its body")?;
+    abi::call_foreign_function("clear_route_cache").map_err(|_| "clearing the route")?;
+    abi::resume_http_request().map_err(|_| "resuming it")
 }
 
 struct Root {
@@ -183,7 +182,7 @@ struct Root {
 
 impl Root {
     fn configure(&self) -> Result<Vm, String> {
-        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+        let bytes = abi::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
             .map_err(|s| format!("cannot read the plugin configuration: {s:?}"))?
             .unwrap_or_default();
         let cfg = Config::from_json(&bytes).map_err(|e| e.to_string())?;
@@ -220,17 +219,14 @@ fn random_u64(seed: u32) -> u64 {
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, trailers: usize) {
         let Some(vm) = &self.vm else { return };
-        let headers = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default();
+        let headers = abi::get_map_bytes(MapType::HttpCallResponseHeaders).unwrap_or_default();
         let body = if body_size > 0 {
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default()
+            abi::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default()
         } else {
             Vec::new()
         };
         let trailers = if trailers > 0 {
-            hostcalls::get_map_bytes(MapType::HttpCallResponseTrailers).unwrap_or_default()
+            abi::get_map_bytes(MapType::HttpCallResponseTrailers).unwrap_or_default()
         } else {
             Vec::new()
         };
@@ -337,7 +333,7 @@ impl HttpContext for HttpStream {
         let restore = self.vm.as_ref().and_then(|vm| vm.coordinator.try_borrow_mut().ok()?.take_restore(id));
         if let Some(content_type) = restore {
             let value = content_type.as_deref();
-            if let Err(s) = hostcalls::set_map_value(MapType::HttpResponseHeaders, "content-type", value) {
+            if let Err(s) = abi::set_map_value(MapType::HttpResponseHeaders, "content-type", value) {
                 log::debug!("cannot set the content type of a local answer: {s:?}");
             }
         }

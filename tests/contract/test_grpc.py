@@ -4,9 +4,11 @@ that counts executions (support/grpc_app.py) and grpcio clients.
 - `guard` Envoy: listeners `guard` (the filter with `detached_execution`, so that an attempt a
   client Envoy abandons keeps running and its answer is stored; `-bin` metadata listed in
   `replay_headers`; `Chat` listed in `grpc_streaming_methods`; `max_record_bytes` 2 MiB),
-  `nowait` (`lock_wait_ms: 0`), `small` (`max_record_bytes` 64 KiB) and `closed` (a store that
-  is down, `failure_mode: closed`, `require_key`), each with the replay route first, and the
-  replay listener (support/harness.py `add_grpc_replay`, as every shipped config has it);
+  `nowait` (`lock_wait_ms: 0`), `small` (`max_record_bytes` 64 KiB), `closed` (a store that
+  is down, `failure_mode: closed`, `require_key`), `fallback` (that store, failing open: the
+  local fallback) and `istio` (`pause_on_headers: false` and the buffer filter, as under
+  Istio), each with the replay route first, and the replay listener (support/harness.py
+  `add_grpc_replay`, as every shipped config has it);
 - `noroute` Envoy: the guard without the replay route and listener;
 - `client` Envoy (a caller's sidecar): listeners `retry` (route retries on
   cancelled/deadline-exceeded/unavailable/reset, per-try timeout 300 ms), `hedge` (the same,
@@ -23,7 +25,7 @@ import pytest
 
 from support import grpc_app as g
 from support import harness as h
-from support.stack import plugin_config, start_backend
+from support.stack import istio_filters, plugin_config, start_backend
 
 OK = grpc.StatusCode.OK
 LISTED = ["content-type", "x-order-bin", "x-order-id", "x-trace-bin", "x-trace"]
@@ -67,6 +69,10 @@ def envoys(run_dir, artifacts, orders):
         "small": [h.wasm_filter({**GUARD, "max_record_bytes": 65536}, wasm)],
         "closed": [h.wasm_filter(plugin_config(store_cluster="deadstore", failure_mode="closed",
                                                local_fallback=False, require_key=True), wasm)],
+        # The store down, failing open: the local fallback keeps one execution per key.
+        "fallback": [h.wasm_filter({**GUARD, "store_cluster": "deadstore"}, wasm)],
+        # Istio's WasmPlugin shape: the headers go on and wait in the buffer filter.
+        "istio": istio_filters(wasm, **GUARD),
     }
     guard = h.spawn_envoy(run_dir, "grpc-guard", listeners, orders.port, sport,
                           routes=grpc_routes("upstream"), config_hook=guard_hook)
@@ -250,3 +256,26 @@ def test_envoy_retries_of_a_keyless_call_run_it_once_under_a_minted_key(envoys, 
     runs = [c for c in orders.calls() if c[0] == "CreateOrder" and item.encode() in c[2]]
     assert len(runs) == 1, runs
     assert runs[0][1].startswith('"') and len(runs[0][1]) == 34
+
+
+def test_the_local_fallback_replays_too(envoys, orders):
+    key = h.new_key("fallback")
+    first = g.create_order(port(envoys, "guard", "fallback"), key, metadata=[("x-test-binary", "1")])
+    again = g.create_order(port(envoys, "guard", "fallback"), key, metadata=[("x-test-binary", "1")])
+    assert_same_answer(first, again)
+    assert orders.executions(key=key) == 1
+    assert envoys["guard"].counter("local_replays") >= 1
+
+
+def test_with_the_headers_gone_on_a_replay_fails_safe(envoys, orders):
+    """Istio's shape (`pause_on_headers: false`): the request headers have gone on to the buffer
+    filter, Envoy refuses to change them, and the retry cannot be re-routed. It is refused
+    (`UNAVAILABLE`, a status clients retry), never run again; the first call ran routed (not
+    detached: its answer could not reach the client either)."""
+    key = h.new_key("istio")
+    first = g.create_order(port(envoys, "guard", "istio"), key)
+    assert first.code == OK and first.initial_value("x-idempotent-replay") is None
+    again = g.create_order(port(envoys, "guard", "istio"), key)
+    assert again.code == grpc.StatusCode.UNAVAILABLE, again
+    assert again.details.startswith("replay-failed: ")
+    assert orders.executions(key=key) == 1

@@ -29,7 +29,7 @@ ACCESS_LOG_FORMAT = {
 COUNTERS = ["guarded", "replayed", "executed", "stored", "mismatched", "conflicted", "rejected", "degraded",
             "unavailable", "passthrough", "released", "commit_failed", "store_errors", "detached",
             "committed_after_gone", "cache_hits", "store_skipped", "local_locks", "local_replays", "handed_back",
-            "handback_dropped", "minted"]
+            "handback_dropped", "minted", "grpc_unguarded"]
 HISTOGRAMS = ["store_us_begin", "store_us_commit", "store_us_release"]
 
 

@@ -103,7 +103,7 @@ impl Machine {
         if let Some(name) = &self.cfg.store_key_header {
             effects.push(Effect::SetRequestHeader(name.clone(), key.clone()));
         }
-        if self.cfg.detached_execution {
+        if self.detaches() {
             self.detach = self.capture_for_detach(view, Some(&key));
         }
         self.accept_encoding = view.request_header("accept-encoding");
@@ -164,7 +164,7 @@ impl Machine {
                 }
                 // A client's value goes now: the id, and so the key, may never come.
                 let effects = self.strip_store_key_header(view);
-                if self.cfg.detached_execution {
+                if self.detaches() {
                     self.detach = self.capture_for_detach(view, None);
                 }
                 // Read now: the request headers may be gone by the time the id is.
@@ -315,6 +315,12 @@ impl Machine {
                 vec![]
             }
         }
+    }
+
+    /// A detached gRPC call's answer reaches the client by the second hop, which needs the
+    /// request headers held (`pause_on_headers`): without them the call runs routed.
+    pub(super) fn detaches(&self) -> bool {
+        self.cfg.detached_execution && (self.grpc.is_none() || self.cfg.pause_on_headers)
     }
 
     /// The request as a detached execution will send it, or `None` to route it normally.
