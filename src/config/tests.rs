@@ -472,3 +472,37 @@ fn subject_from_a_property() {
         assert_eq!(e.key, "subject.property", "{bad}: {e}");
     }
 }
+
+#[test]
+fn grpc_keys() {
+    let c = parse(r#"{"store_cluster":"s"}"#).unwrap();
+    assert!(c.store_grpc_statuses.contains(0) && !c.store_grpc_statuses.contains(5));
+    assert!(c.grpc_streaming_methods.is_empty());
+    let c = parse(
+        r#"{"store_cluster":"s","store_grpc_statuses":["ok","NOT_FOUND",6],
+            "grpc_streaming_methods":["/a.B/Watch","/a.Chat/*"]}"#,
+    )
+    .unwrap();
+    assert_eq!(c.store_grpc_statuses.names(), vec!["OK", "NOT_FOUND", "ALREADY_EXISTS"]);
+    assert!(c.streams_grpc(b"/a.B/Watch") && c.streams_grpc(b"/a.Chat/Talk"));
+    assert!(!c.streams_grpc(b"/a.B/Watch2") && !c.streams_grpc(b"/a.B/Create"));
+    for bad in [r#"["NOPE"]"#, "[17]", "[-1]", r#""OK""#, "[true]"] {
+        let e = parse(&format!(r#"{{"store_cluster":"s","store_grpc_statuses":{bad}}}"#)).unwrap_err();
+        assert_eq!(e.key, "store_grpc_statuses", "{bad}: {e}");
+    }
+    for bad in
+        [r#"["a.B/M"]"#, r#"["/a.B"]"#, r#"["/a.B/"]"#, r#"["/*/M"]"#, r#"["/a.B/M*"]"#, r#"["/a B/M"]"#]
+    {
+        let e = parse(&format!(r#"{{"store_cluster":"s","grpc_streaming_methods":{bad}}}"#)).unwrap_err();
+        assert_eq!(e.key, "grpc_streaming_methods", "{bad}: {e}");
+    }
+    // The replay listener needs nothing else.
+    let c = parse(r#"{"mode":"grpc_replay"}"#).unwrap();
+    assert_eq!((&c.mode, c.store_cluster.as_str()), (&Mode::GrpcReplay, ""));
+    // Written back as read.
+    let c = parse(r#"{"store_cluster":"s","store_grpc_statuses":[5],"grpc_streaming_methods":["/a.B/*"]}"#)
+        .unwrap();
+    let again = Config::validate(c.to_raw(), &|_| None).unwrap();
+    assert_eq!(again.store_grpc_statuses, c.store_grpc_statuses);
+    assert_eq!(again.grpc_streaming_methods, c.grpc_streaming_methods);
+}
