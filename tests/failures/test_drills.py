@@ -500,13 +500,14 @@ def counter_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, in
 
 
 def shipped_envoy_yaml(admin: int, listen: int, app: int, store: int, wasm: str) -> str:
-    """envoy/envoy.yaml as shipped, with its four ports and the wasm path rewritten."""
+    """envoy/envoy.yaml as shipped, with its four ports and the wasm path (the guard's and the
+    gRPC replay listener's) rewritten."""
     text = ENVOY_YAML.read_text()
     for old, new in ((9901, admin), (10000, listen), (8081, app), (8380, store)):
         text, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", text)
         assert n == 1, f"port {old} appears {n} times in {ENVOY_YAML}"
     text, n = re.subn(r"filename: \S*idempotency_filter\.wasm", f"filename: {wasm}", text)
-    assert n == 1, f"the wasm path appears {n} times in {ENVOY_YAML}"
+    assert n == 2, f"the wasm path appears {n} times in {ENVOY_YAML} (the guard, the gRPC replay listener)"
     return text
 
 

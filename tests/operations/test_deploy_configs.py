@@ -8,12 +8,20 @@ container engine or a cluster.
   validated as they are, nothing else is rewritten. envoy/envoy.yaml and envoy/jwt-authn.yaml are
   validated by tests/failures/test_drills.py and tests/security/test_identity.py; this file
   covers the others and checks that none is left out.
+* The second hop of gRPC replays (docs/grpc.md): every bootstrap whose filter guards
+  (idempotency_key or inbox mode) has the four parts exactly as tests/contract/test_grpc.py runs
+  them (support/harness.py `add_grpc_replay`): the internal listener extension, the replay route
+  first in every virtual host the guard serves, the internal listener with the filter in
+  `grpc_replay` mode (the guard's wasm file) and its cluster. envoy/grpc.yaml, the config for a
+  gRPC service, has the settings its comments promise.
 * The Istio manifests (envoy/istio/*.yaml): documents well formed; the WasmPlugin's
   `pluginConfig` accepted by the filter, rendered the way Istio renders it (JSON in a
   StringValue, no `allow_on_headers_stop_iteration`, `vmConfig.env` as host_env_keys) with the
   EnvoyFilter's buffer filter and the router after it; `store_cluster` is Istio's cluster name
   of the idemstore Service; the buffer limit covers `max_body_bytes`; the names the manifests
-  share agree.
+  share agree. envoy/istio/envoyfilter-grpc-replay.yaml gives every guard WasmPlugin's workloads
+  the same four parts (the replay filter's module the WasmPlugin's image, over ECDS), and Envoy
+  accepts them as the sidecar would have them.
 * The docker compose demo: the services Envoy's clusters name exist with those ports, the
   mounted wasm is the config's `filename`, ports 10000 and 9901 published, Redis with its
   append-only file, idemstore on that Redis.
@@ -155,21 +163,37 @@ TLS_DIR = "/etc/idempotency/tls"
 INBOX_EXAMPLE = ENVOY_DIR / "inbox.yaml"
 
 
+def hcms(listener: dict) -> list[dict]:
+    """The HTTP connection managers (typed configs) of a listener's filter chains."""
+    return [f["typed_config"] for chain in listener["filter_chains"] for f in chain["filters"]
+            if f["name"] == "envoy.filters.network.http_connection_manager"]
+
+
+def wasm_filters(hcm: dict) -> list[dict]:
+    """The idempotency filter's Wasm filters of an HTTP connection manager: the filter itself,
+    or behind the composite matcher (envoy/envoy.yaml) the one its ExecuteFilterAction creates."""
+    out = []
+    for hf in hcm.get("http_filters", []):
+        if hf["name"] == "envoy.filters.http.wasm":
+            wasm = hf
+            if "xds_matcher" in hf["typed_config"]:
+                [m] = hf["typed_config"]["xds_matcher"]["matcher_list"]["matchers"]
+                wasm = m["on_match"]["action"]["typed_config"]["typed_config"]
+            out.append(wasm)
+    return out
+
+
+def plugin_config(wasm: dict) -> dict:
+    return json.loads(wasm["typed_config"]["config"]["configuration"]["value"])
+
+
 def plugin_configs(doc: dict) -> list[dict]:
-    """The idempotency filter's plugin configurations (parsed JSON) in a bootstrap, per listener."""
+    """The idempotency filter's plugin configurations (parsed JSON) in a bootstrap, per listener,
+    the gRPC replay listener's (`"mode": "grpc_replay"`) left out."""
     out = []
     for listener in doc["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for f in chain["filters"]:
-                for hf in f["typed_config"].get("http_filters", []):
-                    if hf["name"] == "envoy.filters.http.wasm":
-                        # The filter, or behind the composite matcher (envoy/envoy.yaml) the one its
-                        # ExecuteFilterAction creates.
-                        wasm = hf
-                        if "xds_matcher" in hf["typed_config"]:
-                            [m] = hf["typed_config"]["xds_matcher"]["matcher_list"]["matchers"]
-                            wasm = m["on_match"]["action"]["typed_config"]["typed_config"]
-                        out.append(json.loads(wasm["typed_config"]["config"]["configuration"]["value"]))
+        for hcm in hcms(listener):
+            out += [c for c in map(plugin_config, wasm_filters(hcm)) if c.get("mode") != "grpc_replay"]
     return out
 
 
@@ -190,6 +214,120 @@ def test_inbox_example(work_dir):
     bad.write_text(with_built_wasm(INBOX_EXAMPLE.read_text()).replace('"duplicate_status": 204',
                                                                       '"duplicate_status": 500'))
     assert_refused(envoy_validate(bad), "inbox.duplicate_status")
+
+
+# --------------------------------------------------------------------------------------------
+# gRPC replays: the second hop in every config that guards
+# --------------------------------------------------------------------------------------------
+
+GUARD_MODES = (None, "idempotency_key", "inbox")
+# The bootstraps whose filter guards requests (the others: envoy/mesh/client.yaml, mint mode).
+GUARDING = {"envoy/envoy.yaml", "envoy/docker/envoy.yaml", "envoy/inbox.yaml", "envoy/jwt-authn.yaml",
+            "envoy/mesh/server.yaml", "envoy/grpc.yaml"}
+GRPC_EXAMPLE = ENVOY_DIR / "grpc.yaml"
+
+
+def canon_wasm(f: dict) -> dict:
+    """A Wasm filter with its configuration parsed (JSON text compared as JSON)."""
+    f = json.loads(json.dumps(f))
+    cfg = f["typed_config"]["config"]
+    cfg["configuration"]["value"] = json.loads(cfg["configuration"]["value"])
+    return f
+
+
+def canon_listener(listener: dict) -> dict:
+    listener = json.loads(json.dumps(listener))
+    for hcm in hcms(listener):
+        hcm["http_filters"] = [canon_wasm(f) if f["name"] == "envoy.filters.http.wasm" else f
+                               for f in hcm["http_filters"]]
+    return listener
+
+
+def guarded_hcms(doc: dict) -> list[dict]:
+    """The HTTP connection managers (of socket listeners) where the filter guards requests."""
+    return [hcm for ln in doc["static_resources"]["listeners"] if "internal_listener" not in ln
+            for hcm in hcms(ln)
+            if any(plugin_config(w).get("mode") in GUARD_MODES for w in wasm_filters(hcm))]
+
+
+def guard_wasm_file(doc: dict) -> str:
+    files = {w["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"]
+             for hcm in guarded_hcms(doc) for w in wasm_filters(hcm)}
+    assert len(files) == 1, files
+    return files.pop()
+
+
+def test_the_guarding_bootstraps_are_known():
+    """Every bootstrap under envoy/ whose filter guards requests is in GUARDING (which the next
+    test checks for the replay hop), and every one in GUARDING still guards."""
+    guarding = {rel(p) for p in BOOTSTRAPS if guarded_hcms(load_docs(p)[0])}
+    assert guarding == GUARDING, sorted(guarding ^ GUARDING)
+
+
+@pytest.mark.parametrize("name", sorted(GUARDING))
+def test_guarding_bootstrap_has_the_grpc_replay_hop(name):
+    """The four parts, as support/harness.py `add_grpc_replay` gives them to the Envoys of
+    tests/contract/test_grpc.py: the internal listener bootstrap extension; the replay route
+    first in every virtual host of every connection manager where the filter guards; the
+    internal listener `idempotency_grpc_replay` (the filter in grpc_replay mode, from the
+    guard's wasm file, then the router, a 404 for anything else); its cluster."""
+    doc = load_docs(h.ROOT / name)[0]
+    assert h.INTERNAL_LISTENER_EXTENSION in doc.get("bootstrap_extensions", []), name
+    guarded = guarded_hcms(doc)
+    assert guarded, name
+    for hcm in guarded:
+        for vh in hcm["route_config"]["virtual_hosts"]:
+            assert vh["routes"][0] == h.REPLAY_ROUTE, (name, vh["name"], vh["routes"][0])
+            assert [r.get("name") for r in vh["routes"]].count(h.REPLAY_NAME) == 1, vh["name"]
+    listeners = {ln["name"]: ln for ln in doc["static_resources"]["listeners"]}
+    wasm = guard_wasm_file(doc)
+    assert canon_listener(listeners[h.REPLAY_NAME]) == canon_listener(h.replay_listener(wasm))
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    assert clusters[h.REPLAY_NAME] == h.replay_cluster()
+
+
+def test_mint_only_bootstrap_has_no_replay_hop():
+    """envoy/mesh/client.yaml sends (mint mode) and never replays: none of the four parts."""
+    doc = load_docs(ENVOY_DIR / "mesh" / "client.yaml")[0]
+    assert [plugin_config(w).get("mode") for ln in doc["static_resources"]["listeners"]
+            for hcm in hcms(ln) for w in wasm_filters(hcm)] == ["mint"]
+    assert h.REPLAY_NAME not in (ENVOY_DIR / "mesh" / "client.yaml").read_text()
+
+
+def test_grpc_example():
+    """envoy/grpc.yaml (validated above like every bootstrap): admin on 127.0.0.1:9901; the
+    listener `grpc` on 127.0.0.1:10001 (codec AUTO: h2c with prior knowledge), the guard not
+    wrapped (it sees every call) with the configuration its comments describe, the route to
+    `grpc_app` (127.0.0.1:50051 over HTTP/2, 30 s) after the replay route; envoy.yaml's
+    idemstore cluster."""
+    doc = load_docs(GRPC_EXAMPLE)[0]
+    assert doc["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}
+    listeners = {ln["name"]: ln for ln in doc["static_resources"]["listeners"]}
+    assert set(listeners) == {"grpc", h.REPLAY_NAME}
+    grpc = listeners["grpc"]
+    assert grpc["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 10001}
+    [hcm] = hcms(grpc)
+    assert hcm["codec_type"] == "AUTO" and hcm["use_remote_address"] is True
+    window = hcm["http2_protocol_options"]["initial_stream_window_size"]
+    assert window >= 4 * 1024 * 1024
+    assert grpc["per_connection_buffer_limit_bytes"] > 2 * 1048576  # max_body_bytes, max_record_bytes
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
+    assert "xds_matcher" not in hcm["http_filters"][0]["typed_config"]
+    [guard] = wasm_filters(hcm)
+    assert plugin_config(guard) == {"store_cluster": "idemstore", "replay_headers": ["content-type"],
+                                    "grpc_streaming_methods": []}
+    assert guard["typed_config"]["config"]["allow_on_headers_stop_iteration"] is True
+    [vh] = hcm["route_config"]["virtual_hosts"]
+    assert vh["routes"][1]["route"] == {"cluster": "grpc_app", "timeout": "30s"}
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    app = clusters["grpc_app"]
+    [ep] = app["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert ep["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 50051}
+    opts = app["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in opts["explicit_http_config"]
+    shipped = {c["name"]: c for c in load_docs(ENVOY_DIR / "envoy.yaml")[0]["static_resources"]["clusters"]}
+    assert clusters["idemstore"] == shipped["idemstore"]
+    assert "grpcurl -plaintext -H 'idempotency-key: " in GRPC_EXAMPLE.read_text()
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,7 +354,7 @@ def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
 @pytest.fixture(scope="module")
 def istio() -> dict:
     files = istio_docs()
-    assert {"envoy/istio/wasmplugin.yaml", "envoy/istio/idemstore.yaml"} <= set(files), sorted(files)
+    assert {"envoy/istio/wasmplugin.yaml", "envoy/istio/idemstore.yaml", GRPC_REPLAY_ISTIO} <= set(files), sorted(files)
     every = [d for docs in files.values() for d in docs]
     return {
         "files": files,
@@ -469,6 +607,113 @@ def test_secret_copies_agree(istio):
     assert by_ns[plugin_ns]["stringData"] == by_ns[store_ns]["stringData"]
 
 
+# The second hop of gRPC replays in the sidecars (envoyfilter-grpc-replay.yaml).
+GRPC_REPLAY_ISTIO = "envoy/istio/envoyfilter-grpc-replay.yaml"
+WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+
+
+def guard_plugins(istio: dict) -> list[dict]:
+    """The WasmPlugins that guard (every one but mint mode's)."""
+    return [d for d in find(istio["all"], "WasmPlugin")
+            if d["spec"].get("pluginConfig", {}).get("mode") in GUARD_MODES]
+
+
+def replay_patches(envoyfilter: dict) -> dict[str, dict]:
+    """The EnvoyFilter's patches by what they apply to (one of each)."""
+    patches = envoyfilter["spec"]["configPatches"]
+    by = {p["applyTo"]: p for p in patches}
+    assert len(by) == len(patches) == 4, [p["applyTo"] for p in patches]
+    return by
+
+
+def replay_envoyfilter(istio: dict, plugin: dict) -> dict:
+    """The replay EnvoyFilter of a guard WasmPlugin: same namespace, same workloads."""
+    found = [d for d in find(istio["files"][GRPC_REPLAY_ISTIO], "EnvoyFilter")
+             if d["metadata"]["namespace"] == plugin["metadata"]["namespace"]
+             and d["spec"]["workloadSelector"]["labels"] == plugin["spec"]["selector"]["matchLabels"]]
+    assert len(found) == 1, f"{len(found)} replay EnvoyFilters for {plugin['metadata']}"
+    return found[0]
+
+
+def inline_replay_listener(envoyfilter: dict, wasm: str) -> dict:
+    """The EnvoyFilter's listener as Envoy runs it once istio-agent has fetched the module: the
+    config_discovery filter replaced by the EXTENSION_CONFIG it names, the module a local file."""
+    by = replay_patches(envoyfilter)
+    listener = json.loads(json.dumps(by["LISTENER"]["patch"]["value"]))
+    ext = json.loads(json.dumps(by["EXTENSION_CONFIG"]["patch"]["value"]))
+    ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": wasm}}
+    [hcm] = hcms(listener)
+    filters = hcm["http_filters"]
+    [i] = [n for n, f in enumerate(filters) if "config_discovery" in f]
+    assert filters[i]["name"] == ext["name"]
+    assert filters[i]["config_discovery"]["type_urls"] == [WASM_TYPE]
+    assert filters[i]["config_discovery"]["config_source"]["ads"] == {}
+    filters[i] = {"name": "envoy.filters.http.wasm", "typed_config": ext["typed_config"]}
+    return listener
+
+
+def test_grpc_replay_envoyfilter_per_guard(istio):
+    """Each guard WasmPlugin's workloads (namespace and selector) get one replay EnvoyFilter:
+    the route first in the inbound routes of the guarded port (INSERT_FIRST with no route
+    match: first in every virtual host), the internal listener and the cluster exactly as the
+    Envoy configs ship them, the replay filter over ECDS with the WasmPlugin's image as its
+    module (istio-agent pulls oci:// for ECDS Wasm configs) and no other difference."""
+    plugins = guard_plugins(istio)
+    assert {p["metadata"]["name"] for p in plugins} == {"idempotency", "idempotency-guard"}
+    replays = find(istio["files"][GRPC_REPLAY_ISTIO], "EnvoyFilter")
+    assert len(replays) == len(plugins)
+    for plugin in plugins:
+        ef = replay_envoyfilter(istio, plugin)
+        assert ef["apiVersion"] == "networking.istio.io/v1alpha3"
+        by = replay_patches(ef)
+        route = by["HTTP_ROUTE"]
+        assert route["match"]["context"] == "SIDECAR_INBOUND"
+        assert set(route["match"]["routeConfiguration"]) == {"portNumber"}
+        ports = {p["number"] for m in plugin["spec"]["match"] for p in m["ports"]}
+        assert route["match"]["routeConfiguration"]["portNumber"] in ports
+        assert route["patch"] == {"operation": "INSERT_FIRST", "value": h.REPLAY_ROUTE}
+        for kind in ("LISTENER", "CLUSTER"):
+            assert by[kind]["match"] == {"context": "SIDECAR_INBOUND"}
+            assert by[kind]["patch"]["operation"] == "ADD"
+        assert by["CLUSTER"]["patch"]["value"] == h.replay_cluster()
+        assert canon_listener(inline_replay_listener(ef, "plugin.wasm")) == \
+            canon_listener(h.replay_listener("plugin.wasm"))
+        ext = by["EXTENSION_CONFIG"]["patch"]
+        assert ext["operation"] == "ADD" and "match" not in by["EXTENSION_CONFIG"]
+        assert ext["value"]["typed_config"]["@type"] == WASM_TYPE
+        remote = ext["value"]["typed_config"]["config"]["vm_config"]["code"]["remote"]
+        assert remote["http_uri"]["uri"] == plugin["spec"]["url"]
+
+
+def test_grpc_replay_envoyfilter_accepted_by_envoy(istio, work_dir):
+    """A real Envoy 1.40 accepts the EnvoyFilter's parts as a sidecar would have them, next to
+    the inbound listener of the plugin test above: the bootstrap extension (Istio's bootstrap
+    has it), the route first in the inbound virtual host, the internal listener with the filter
+    inlined from its EXTENSION_CONFIG (the built module in place of the image) and the cluster.
+    Validation runs the replay filter's configuration check."""
+    for plugin in guard_plugins(istio):
+        ef = replay_envoyfilter(istio, plugin)
+        by = replay_patches(ef)
+        config = sidecar_config(istio)
+        config["bootstrap_extensions"] = [h.INTERNAL_LISTENER_EXTENSION]
+        res = config["static_resources"]
+        [hcm] = hcms(res["listeners"][0])
+        for vh in hcm["route_config"]["virtual_hosts"]:
+            vh["routes"] = [by["HTTP_ROUTE"]["patch"]["value"]] + vh["routes"]
+        res["listeners"].append(inline_replay_listener(ef, h.wasm_path()))
+        res["clusters"].append(by["CLUSTER"]["patch"]["value"])
+        path = work_dir / f"istio-grpc-replay-{plugin['metadata']['namespace']}.yaml"
+        path.write_text(json.dumps(config, indent=2))
+        assert_valid(envoy_validate(path, secret_env(istio["plugin"])), path)
+    # The control: the same with an unknown key in the replay filter's configuration is refused.
+    replay = [ln for ln in config["static_resources"]["listeners"] if ln["name"] == h.REPLAY_NAME][0]
+    [wasm] = wasm_filters(hcms(replay)[0])
+    wasm["typed_config"]["config"]["configuration"]["value"] = '{"mode": "grpc_replay", "no_such_key": 1}'
+    bad = work_dir / "istio-grpc-replay-bad.yaml"
+    bad.write_text(json.dumps(config, indent=2))
+    assert_refused(envoy_validate(bad, secret_env(istio["plugin"])), "no_such_key")
+
+
 # --------------------------------------------------------------------------------------------
 # docker compose
 # --------------------------------------------------------------------------------------------
@@ -532,16 +777,19 @@ def compose() -> dict:
 
 def test_compose_envoy_config_and_wasm(compose):
     """The Envoy service runs the official 1.40 image on envoy/docker/envoy.yaml, with the host
-    build of the filter mounted where that config's vm_config loads it from; it publishes the
-    listener (10000) and admin (9901) ports, on which the config listens on every interface."""
+    build of the filter mounted where that config's vm_config loads it from (the guard's and the
+    gRPC replay listener's); it publishes the listener (10000) and admin (9901) ports, on which
+    the config listens on every interface (the replay listener is internal: no port)."""
     envoy, config = compose["envoy"], compose["config"]
     assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
     assert compose["config_path"] == ENVOY_DIR / "docker" / "envoy.yaml"
     filenames = re.findall(r"filename:\s*(\S+\.wasm)", compose["config_path"].read_text())
-    assert filenames == ["/etc/envoy/idempotency_filter.wasm"], filenames
+    assert filenames == ["/etc/envoy/idempotency_filter.wasm"] * 2, filenames
     sources = [s for s, t in mounts(envoy) if t == filenames[0]]
     assert [host_path(s) for s in sources] == [h.ROOT / WASM_BUILD]
-    listeners = config["static_resources"]["listeners"]
+    listeners = [ln for ln in config["static_resources"]["listeners"] if "internal_listener" not in ln]
+    assert [ln["name"] for ln in config["static_resources"]["listeners"] if "internal_listener" in ln] == \
+        [h.REPLAY_NAME]
     ports = {l["address"]["socket_address"]["port_value"] for l in listeners}
     admin = config["admin"]["address"]["socket_address"]
     assert ports == {10000} and admin["port_value"] == 9901
@@ -553,13 +801,13 @@ def test_compose_envoy_config_and_wasm(compose):
 def test_compose_services_match_envoy_clusters(compose):
     """Each cluster of the compose Envoy config names a compose service, on the port that
     service listens on (idemstore: IDEMSTORE_LISTEN; the orders app: its --port), and names it
-    by DNS (STRICT_DNS or LOGICAL_DNS)."""
+    by DNS (STRICT_DNS or LOGICAL_DNS). The gRPC replay cluster (an internal address) aside."""
     services = compose["services"]
     listening = {
         "idemstore": int(environment(services["idemstore"])["IDEMSTORE_LISTEN"].rsplit(":", 1)[1]),
         "orders": int(command(services["orders"])[command(services["orders"]).index("--port") + 1]),
     }
-    clusters = compose["config"]["static_resources"]["clusters"]
+    clusters = [c for c in compose["config"]["static_resources"]["clusters"] if c["name"] != h.REPLAY_NAME]
     assert {c["name"] for c in clusters} == {"app", "idemstore"}
     for c in clusters:
         assert c["type"] in ("STRICT_DNS", "LOGICAL_DNS"), c["name"]

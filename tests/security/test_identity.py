@@ -398,10 +398,11 @@ def test_header_subject_is_safe_only_where_envoy_strips_the_header(ident, idp):
 
 
 def example_yaml(wasm: str, ports: dict[int, int] | None = None, jwks: str | None = None) -> str:
-    """envoy/jwt-authn.yaml with its wasm path (and optionally its ports and JWKS) rewritten."""
+    """envoy/jwt-authn.yaml with its wasm path (the guard's and the gRPC replay listener's, and
+    optionally its ports and JWKS) rewritten."""
     text = JWT_EXAMPLE.read_text()
     text, n = re.subn(r"filename: \S*idempotency_filter\.wasm", f"filename: {wasm}", text)
-    assert n == 1, f"the wasm path appears {n} times in {JWT_EXAMPLE}"
+    assert n == 2, f"the wasm path appears {n} times in {JWT_EXAMPLE} (the guard, the gRPC replay listener)"
     for old, new in (ports or {}).items():
         text, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", text)
         assert n == 1, f"port {old} appears {n} times in {JWT_EXAMPLE}"
@@ -428,15 +429,17 @@ def significant_lines(text: str) -> list[str]:
 
 
 def test_jwt_example_follows_envoy_yaml():
-    """The example keeps envoy/envoy.yaml's conventions: the same idemstore cluster, and the
-    edge settings the subject depends on."""
+    """The example keeps envoy/envoy.yaml's conventions: the same idemstore cluster (and gRPC
+    replay cluster after it), and the edge settings the subject depends on, in its main
+    listener (the gRPC replay listener after it has a Wasm filter and a router of its own)."""
     def store_cluster(path: Path) -> list[str]:
         text = path.read_text()
         start = text.index("  - name: idemstore\n")
         return significant_lines(text[start:])
 
     assert store_cluster(JWT_EXAMPLE) == store_cluster(ENVOY_YAML)
-    lines = significant_lines(JWT_EXAMPLE.read_text())
+    main = re.split(r"^  - name: idempotency_grpc_replay$", JWT_EXAMPLE.read_text(), flags=re.M)[0]
+    lines = significant_lines(main)
     for want in ("use_remote_address: true", "failure_policy: FAIL_RELOAD", "allow_on_headers_stop_iteration: true",
                  "payload_in_metadata: jwt_payload", "forward: false", "requires: {allow_missing: {}}"):
         assert sum(line.strip() == want for line in lines) == 1, want
