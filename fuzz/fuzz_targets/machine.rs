@@ -208,6 +208,8 @@ struct Request {
     ce_source: Option<Bytes>,
     message_id: Option<Bytes>,
     content_type: Option<ContentType>,
+    /// The `grpc-status` trailer of the answer (a code 0..=16, or past it: not a status).
+    trailer_status: Option<u8>,
     /// `accept-encoding` values (a replay in a coding they refuse is a `406`).
     accept_encoding: Vec<Bytes>,
     /// A fingerprinted header.
@@ -258,6 +260,9 @@ impl Request {
         }
         if let Some(ct) = &self.content_type {
             v.request.push(("content-type".into(), ct.request_value()));
+        }
+        if let Some(code) = self.trailer_status {
+            v.response_trailers = vec![("grpc-status".into(), (code % 20).to_string().into_bytes())];
         }
         for ae in self.accept_encoding.iter().take(2) {
             v.request.push(("accept-encoding".into(), ae.to_vec()));

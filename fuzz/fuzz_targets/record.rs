@@ -14,7 +14,7 @@
 use arbitrary::{Arbitrary, Unstructured};
 use fuzz_common::ArbRecord;
 use idempotency_filter::config::MAX_FINGERPRINT_HEADERS;
-use idempotency_filter::http::headers;
+use idempotency_filter::http::{grpc, headers};
 use idempotency_filter::store::record::{self, Record};
 use libfuzzer_sys::fuzz_target;
 
@@ -22,20 +22,30 @@ use libfuzzer_sys::fuzz_target;
 /// `2xx` only and without flags or print).
 fn replayable(r: &Record, v1: bool) -> bool {
     let statuses = if v1 { 200..=299 } else { 200..=599 };
+    let fields_ok = |fields: &[(String, String)]| {
+        fields.len() <= record::MAX_HEADERS
+            && fields.iter().all(|(name, value)| {
+                headers::is_valid_name(name)
+                    && !headers::is_never_replayed(name)
+                    && value.len() <= record::MAX_HEADER_VALUE
+                    && headers::is_valid_value(value.as_bytes())
+            })
+    };
     statuses.contains(&r.status)
-        && r.headers.len() <= record::MAX_HEADERS
-        && r.headers.iter().all(|(name, value)| {
-            headers::is_valid_name(name)
-                && !headers::is_never_replayed(name)
-                && value.len() <= record::MAX_HEADER_VALUE
-                && headers::is_valid_value(value.as_bytes())
+        && fields_ok(&r.headers)
+        // A gRPC answer's trailers: the same rules, and the first grpc-status is a code.
+        && r.trailers.as_ref().is_none_or(|t| {
+            fields_ok(t)
+                && t.iter()
+                    .find(|(n, _)| n == "grpc-status")
+                    .is_some_and(|(_, v)| grpc::parse_status(v.as_bytes()).is_some())
         })
         && (!r.body_omitted || r.body.is_empty())
         && r.print.as_ref().is_none_or(|p| {
             p.headers.len() <= MAX_FINGERPRINT_HEADERS
                 && p.headers.iter().all(|(name, _)| headers::is_valid_name(name) && name.len() <= 255)
         })
-        && (!v1 || (r.print.is_none() && !r.body_omitted))
+        && (!v1 || (r.print.is_none() && !r.body_omitted && r.trailers.is_none()))
 }
 
 fuzz_target!(|data: &[u8]| {

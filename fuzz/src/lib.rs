@@ -226,6 +226,8 @@ pub struct ArbRecord {
     pub body: Bytes,
     pub body_omitted: bool,
     pub print: Option<ArbPrint>,
+    /// A gRPC answer's trailers.
+    pub trailers: Option<Vec<(Name, Bytes)>>,
 }
 
 impl ArbRecord {
@@ -243,6 +245,10 @@ impl ArbRecord {
             body: self.body.to_vec(),
             body_omitted: self.body_omitted,
             print: self.print.as_ref().map(ArbPrint::to_print),
+            trailers: self
+                .trailers
+                .as_ref()
+                .map(|t| t.iter().map(|(n, v)| (n.name(), v.to_string_lossy())).collect()),
         }
     }
 }

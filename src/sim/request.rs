@@ -313,9 +313,22 @@ impl Driver {
                     Some(_) => (200..=299).contains(&status),
                     None => self.cfg.store_statuses.contains(status),
                 };
+                // A gRPC answer (trailers) is kept by its `grpc-status`, an HTTP 200.
+                let kept = |r: &Record| match &r.trailers {
+                    Some(t) => {
+                        r.status == 200
+                            && t.iter().filter(|(n, _)| n == "grpc-status").count() == 1
+                            && t.iter().any(|(n, v)| {
+                                n == "grpc-status"
+                                    && crate::http::grpc::parse_status(v.as_bytes())
+                                        .is_some_and(|c| self.cfg.store_grpc_statuses.contains(c))
+                            })
+                    }
+                    None => kept_status(r.status),
+                };
                 match Record::decode(record) {
                     Ok(r)
-                        if kept_status(r.status)
+                        if kept(&r)
                             && r.body.len() <= self.cfg.max_record_bytes
                             && (!r.body_omitted || r.body.is_empty())
                             && r.print.is_some() == self.cfg.inbox().is_none() => {}
