@@ -53,6 +53,7 @@ use crate::error::{refused, Error};
 use crate::metrics::{self, Op, Outcome, Rejection};
 use crate::secret::Secret;
 use crate::store::{Begin, Store};
+use crate::stream::StreamService;
 
 /// Where idemstore serves its Prometheus metrics, on the same listener as the protocol.
 pub const PATH_METRICS: &str = "/metrics";
@@ -133,6 +134,12 @@ impl SecretCheck {
                 "refused a request: bad x-idem-secret"
             );
         }
+        if path == proto::stream::PATH {
+            // A gRPC client reads a status, not an HTTP 401.
+            return tonic::Status::unauthenticated("missing or wrong x-idem-secret")
+                .into_http::<axum::body::Body>()
+                .into_response();
+        }
         (StatusCode::UNAUTHORIZED, "missing or wrong x-idem-secret").into_response()
     }
 }
@@ -174,6 +181,8 @@ pub fn router<B: Backend>(store: Arc<Store<B>>, options: Options) -> Router {
         .route(proto::PATH_COMMITS, post(commits::<B>))
         .route(proto::PATH_RELEASE, post(release::<B>).layer(no_body()))
         .route(proto::PATH_HEALTH, get(health::<B>))
+        // The store stream (gRPC over the same h2c listener), behind the same gate.
+        .route_service(proto::stream::PATH, StreamService::new(Arc::clone(&store), options.max_body_bytes))
         .route(PATH_METRICS, get(scrape::<B>))
         // The operator's routes (`idemstore records --url`), behind the secret like the protocol.
         .route(admin::PATH_RECORDS, get(admin::find_records::<B>).layer(no_body()))
@@ -234,7 +243,7 @@ fn within(headers: &HeaderMap, name: &str, min: u64, max: u64) -> Result<u64, Er
 
 /// Whole milliseconds rounded up, at least 1: what `x-idem-lock-remaining-ms` carries, so a
 /// retry timed by it never comes before the lock expires.
-fn ceil_millis(d: Duration) -> u64 {
+pub(crate) fn ceil_millis(d: Duration) -> u64 {
     u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX).max(1)
 }
 
@@ -279,11 +288,17 @@ fn give_up(headers: &HeaderMap) -> Result<Option<tokio::time::Instant>, Error> {
         return Ok(None);
     }
     let deadline_ms = within(headers, proto::HEADER_DEADLINE_MS, 1, u64::MAX)?;
+    Ok(Some(give_up_at(deadline_ms)))
+}
+
+/// A caller's wall-clock deadline (milliseconds since the Unix epoch) on this host's monotonic
+/// clock (see [`give_up`]).
+pub(crate) fn give_up_at(deadline_ms: u64) -> tokio::time::Instant {
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
     let left_ms = u128::from(deadline_ms).saturating_sub(now_ms);
     let left = Duration::from_millis(u64::try_from(left_ms).unwrap_or(u64::MAX));
     let now = tokio::time::Instant::now();
-    Ok(Some(now.checked_add(left).unwrap_or(now + Duration::from_secs(86_400))))
+    now.checked_add(left).unwrap_or(now + Duration::from_secs(86_400))
 }
 
 async fn begin<B: Backend>(

@@ -27,5 +27,6 @@ pub mod http;
 pub mod metrics;
 pub mod secret;
 pub mod store;
+pub mod stream;
 pub mod tools;
 pub mod waiters;

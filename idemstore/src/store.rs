@@ -112,6 +112,11 @@ impl<B: Backend> Store<B> {
         self.parked.load(Ordering::Relaxed)
     }
 
+    /// Becomes `true` at [`Store::stop_waiting`]: what a long-lived stream ends on.
+    pub fn stopping(&self) -> watch::Receiver<bool> {
+        self.stopping.subscribe()
+    }
+
     /// Ends every pending wait with `busy`, so a shutdown does not sit out long-polls.
     pub fn stop_waiting(&self) {
         self.stopping.send_replace(true);

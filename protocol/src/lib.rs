@@ -30,6 +30,7 @@
 //! nothing of this root, which re-exports it: the uses go one way.
 
 pub mod key;
+pub mod stream;
 
 pub use key::{hex, store_key, store_key_bytes};
 

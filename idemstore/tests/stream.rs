@@ -1,0 +1,136 @@
+//! The store stream over a real socket: a tonic client of `idemstore.v1.Store/Stream` on the
+//! router idemstore serves (the HTTP API's listener).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::client::{serve, serve_store};
+use idem_protocol as proto;
+use idemstore::backend::memory::MemoryBackend;
+use idemstore::http::{Options, SecretCheck};
+use idemstore::secret::Secret;
+use idemstore::store::Store;
+use proto::stream::{Answer, Begin, Begun, Call, Commit, Op, Outcome, Release};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::codegen::http::uri::PathAndQuery;
+
+/// An open stream: calls in, answers out.
+struct Stream {
+    calls: mpsc::Sender<Call>,
+    answers: tonic::Streaming<Answer>,
+}
+
+async fn open(addr: SocketAddr, secret: Option<&str>) -> Result<Stream, tonic::Status> {
+    let channel =
+        tonic::transport::Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let mut client = tonic::client::Grpc::new(channel);
+    client.ready().await.unwrap();
+    let (calls, rx) = mpsc::channel(16);
+    let mut request = tonic::Request::new(ReceiverStream::new(rx));
+    if let Some(s) = secret {
+        request.metadata_mut().insert(proto::HEADER_SECRET, s.parse().unwrap());
+    }
+    let codec = tonic_prost::ProstCodec::<Call, Answer>::default();
+    let answers = client.streaming(request, PathAndQuery::from_static(proto::stream::PATH), codec).await?;
+    Ok(Stream { calls, answers: answers.into_inner() })
+}
+
+impl Stream {
+    async fn send(&self, id: u64, op: Op) {
+        self.calls.send(Call { id, op: Some(op) }).await.unwrap();
+    }
+
+    async fn next(&mut self) -> Answer {
+        tokio::time::timeout(Duration::from_secs(5), self.answers.message()).await.unwrap().unwrap().unwrap()
+    }
+}
+
+fn begin(key: &str, hash: &str, wait_ms: u64) -> Op {
+    Op::Begin(Begin { key: key.into(), body_hash: hash.into(), lock_ttl_ms: 30_000, wait_ms, deadline_ms: 0 })
+}
+
+fn begun(a: &Answer) -> &Begun {
+    match &a.outcome {
+        Some(Outcome::Begun(b)) => b,
+        other => panic!("not a begin answer: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn calls_are_answered_by_id_and_a_waiting_begin_holds_up_nothing() {
+    let mut s = open(serve(8 * 1024 * 1024).await, None).await.unwrap();
+    let (key, hash) = (common::key(), common::hash('a'));
+    s.send(1, begin(&key, &hash, 5000)).await;
+    let first = s.next().await;
+    assert_eq!((first.id, begun(&first).outcome.as_str()), (1, "locked"));
+    let token = begun(&first).token.clone();
+    // A duplicate waits for the lock on the stream; the commit sent after it is answered first.
+    s.send(2, begin(&key, &hash, 5000)).await;
+    let record = vec![0u8, 255, 7];
+    let commit =
+        Commit { key: key.clone(), token, body_hash: hash.clone(), retention_s: 60, record: record.clone() };
+    s.send(3, Op::Commit(commit)).await;
+    let a = s.next().await;
+    let b = s.next().await;
+    let (committed, waited) = if a.id == 3 { (a, b) } else { (b, a) };
+    assert_eq!(committed.outcome, Some(Outcome::Committed("stored".into())));
+    assert_eq!(waited.id, 2);
+    assert_eq!(begun(&waited).outcome, "record");
+    assert_eq!(begun(&waited).record, record);
+    assert!(begun(&waited).ttl_ms > 0);
+    // Another body under the key.
+    s.send(4, begin(&key, &common::hash('b'), 0)).await;
+    assert_eq!(begun(&s.next().await).outcome, "mismatch");
+}
+
+#[tokio::test]
+async fn a_malformed_call_is_a_failure_and_the_stream_goes_on() {
+    let mut s = open(serve(1024).await, None).await.unwrap();
+    s.send(9, begin("not-hex", &common::hash('a'), 0)).await;
+    let a = s.next().await;
+    assert_eq!(a.id, 9);
+    match a.outcome {
+        Some(Outcome::Failure(f)) => assert!(f.bad_request && f.reason.contains("key"), "{f:?}"),
+        other => panic!("{other:?}"),
+    }
+    let big = Commit {
+        key: common::key(),
+        token: "t".repeat(32),
+        body_hash: common::hash('a'),
+        retention_s: 60,
+        record: vec![1; 2048],
+    };
+    s.send(10, Op::Commit(big)).await;
+    assert!(matches!(s.next().await.outcome, Some(Outcome::Failure(f)) if f.bad_request));
+    s.calls.send(Call { id: 11, op: None }).await.unwrap();
+    assert!(matches!(s.next().await.outcome, Some(Outcome::Failure(_))));
+    let (key, hash) = (common::key(), common::hash('c'));
+    s.send(12, begin(&key, &hash, 0)).await;
+    let locked = s.next().await;
+    assert_eq!(begun(&locked).outcome, "locked");
+    let release = Release { key, token: begun(&locked).token.clone() };
+    s.send(13, Op::Release(release)).await;
+    assert_eq!(s.next().await.outcome, Some(Outcome::Released("released".into())));
+}
+
+#[tokio::test]
+async fn the_secret_is_the_streams_metadata() {
+    let secret = Secret::new("s3cret-s3cret-s3cret").unwrap();
+    let options = Options { secret: Some(Arc::new(SecretCheck::new(secret))), ..Options::new(1024) };
+    let addr = serve_store(Arc::new(Store::new(MemoryBackend::new(100))), options).await;
+    for secret in [None, Some("wrong-wrong-wrong-wrong")] {
+        let refused = match open(addr, secret).await {
+            Err(status) => status,
+            Ok(mut s) => s.answers.message().await.unwrap_err(),
+        };
+        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{secret:?}: {refused:?}");
+    }
+    let mut s = open(addr, Some("s3cret-s3cret-s3cret")).await.unwrap();
+    s.send(1, begin(&common::key(), &common::hash('a'), 0)).await;
+    assert_eq!(begun(&s.next().await).outcome, "locked");
+}
