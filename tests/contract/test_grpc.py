@@ -279,3 +279,44 @@ def test_with_the_headers_gone_on_a_replay_fails_safe(envoys, orders):
     assert again.code == grpc.StatusCode.UNAVAILABLE, again
     assert again.details.startswith("replay-failed: ")
     assert orders.executions(key=key) == 1
+
+
+def test_on_redis_cluster_and_in_inbox_mode_calls_run_once(run_dir, artifacts, orders):
+    """The store on a Redis Cluster (3 masters): keys over every master run once and replay
+    exactly; and inbox mode keys a call by its message id (`x-message-id` metadata)."""
+    from support import redis_cluster as rc
+    cluster = rc.start_cluster(run_dir / "grpc-cluster", masters=3, replicas=0)
+    store = envoy = None
+    try:
+        store, sport = rc.spawn_idemstore(run_dir / "grpc-cluster", cluster.urls(), name="idemstore-grpc-cluster")
+        h.await_idemstore(store, sport)
+        wasm = artifacts["wasm"]
+        inbox = plugin_config(mode="inbox", inbox={"message_id": {"header": "x-message-id"}})
+
+        def hook(config):
+            h2_upstream(config, orders.port)
+            h.add_grpc_replay(config, wasm)
+
+        envoy = h.await_envoy(h.spawn_envoy(
+            run_dir, "grpc-cluster-envoy", {"guard": [h.wasm_filter(GUARD, wasm)], "inbox": [h.wasm_filter(inbox, wasm)]},
+            orders.port, sport, routes=grpc_routes("upstream"), config_hook=hook))
+        keys = [h.new_key("cluster") for _ in range(12)]
+        firsts = {k: g.create_order(envoy.port("guard"), k, metadata=[("x-test-binary", "1")]) for k in keys}
+        for k in keys:
+            assert_same_answer(firsts[k], g.create_order(envoy.port("guard"), k, metadata=[("x-test-binary", "1")]))
+            assert orders.executions(key=k) == 1
+        holding = [p for p in cluster.alive_ports() if int(rc.text(p, "DBSIZE")) > 0]
+        assert len(holding) > 1, "the records are spread over the masters"
+
+        message = [("x-message-id", h.new_key("msg"))]
+        first = g.create_order(envoy.port("inbox"), None, item="event", metadata=message)
+        again = g.create_order(envoy.port("inbox"), None, item="event", metadata=message)
+        assert first.code == OK and again.message == first.message
+        assert again.initial_value("x-idempotent-replay") == "true"
+        runs = [c for c in orders.calls() if c[0] == "CreateOrder" and b"event" in c[2]]
+        assert len(runs) == 1, runs
+    finally:
+        for p in (envoy, store):
+            if p is not None:
+                p.stop()
+        cluster.stop()
