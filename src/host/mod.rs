@@ -94,6 +94,11 @@ impl Vm {
                     }
                 }
             }
+            Command::RemoveResponseHeader { name, .. } => {
+                if let Err(s) = abi::set_map_value(MapType::HttpResponseHeaders, &name, None) {
+                    log::debug!("cannot remove response header {name}: {s:?}");
+                }
+            }
             Command::AddResponseTrailers { trailers, .. } => {
                 for (name, value) in &trailers {
                     if let Err(s) = abi::add_map_value(MapType::HttpResponseTrailers, name, value) {

@@ -346,6 +346,7 @@ impl Driver {
             Effect::SetRequestHeader(..)
             | Effect::RemoveRequestHeader(_)
             | Effect::AddResponseTrailers(_)
+            | Effect::RemoveResponseHeader(_)
             | Effect::Count(_) => {}
         }
         Ok(())

@@ -36,6 +36,11 @@ pub enum Command {
         body_len: usize,
         fallback: LocalResponse,
     },
+    /// Only in the stream's own response-headers callback (the replay listener).
+    RemoveResponseHeader {
+        stream: u32,
+        name: String,
+    },
     /// Only in the stream's own response-body callback (the replay listener).
     AddResponseTrailers {
         stream: u32,

@@ -563,6 +563,9 @@ impl Coordinator {
                     }
                 }
                 Effect::Respond(_) | Effect::Resume | Effect::Hop { .. } => {}
+                Effect::RemoveResponseHeader(name) => {
+                    self.commands.push_back(Command::RemoveResponseHeader { stream, name })
+                }
                 Effect::AddResponseTrailers(trailers) => {
                     self.commands.push_back(Command::AddResponseTrailers { stream, trailers })
                 }

@@ -105,6 +105,9 @@ def assert_same_answer(first: g.GrpcResult, again: g.GrpcResult) -> None:
     assert (first.code, again.code) == (OK, OK), (first, again)
     assert again.message == first.message
     assert again.initial_value("x-idempotent-replay") == "true"
+    # The same metadata as the original's, but for what every hop adds and the marker.
+    added = {"date", "server", "x-envoy-upstream-service-time", "x-idempotent-replay"}
+    assert {k for k, _ in again.initial} - added == {k for k, _ in first.initial} - added
     for name in ("x-order-bin", "x-order-id"):
         assert again.initial_value(name) == first.initial_value(name), name
     for name in ("x-trace-bin", "x-trace", g.STATUS_DETAILS):

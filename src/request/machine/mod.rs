@@ -102,6 +102,9 @@ pub enum Effect {
     },
     /// The replay listener: add these trailers to the answer it is sending.
     AddResponseTrailers(Vec<(String, String)>),
+    /// The replay listener: a header Envoy put on its local answer that the original answer
+    /// did not have (`content-length`).
+    RemoveResponseHeader(String),
     Count(Metric),
 }
 

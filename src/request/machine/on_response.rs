@@ -24,6 +24,16 @@ fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
 impl Machine {
     pub fn on_response_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
         match std::mem::replace(&mut self.state, State::Done) {
+            // A gRPC answer has no length; a replay of one says none either.
+            State::HopAnswering { trailers } => {
+                self.state = State::HopAnswering { trailers };
+                let length = !view.response_header("content-length").is_empty();
+                Step::go(if length {
+                    vec![Effect::RemoveResponseHeader("content-length".into())]
+                } else {
+                    vec![]
+                })
+            }
             State::Executing { key, body_hash, token } if self.grpc.is_some() => {
                 Step::go(self.grpc_response_headers(view, key, body_hash, token, end_of_stream))
             }

@@ -521,7 +521,9 @@ impl World {
     fn carry_out(&mut self, command: Command) -> Result<(), String> {
         match command {
             // This world sends no gRPC calls, and runs no replay listener.
-            Command::Hop { stream, .. } | Command::AddResponseTrailers { stream, .. } => {
+            Command::Hop { stream, .. }
+            | Command::AddResponseTrailers { stream, .. }
+            | Command::RemoveResponseHeader { stream, .. } => {
                 return self.violation(format!("a gRPC command for stream {stream}"));
             }
             Command::Respond { stream, response } => {

@@ -286,6 +286,13 @@ fn the_replay_listener_answers_the_record_and_adds_its_trailers() {
     let [Effect::Respond(r)] = step.effects.as_slice() else { panic!("{step:?}") };
     assert_eq!((r.status, r.body.as_slice()), (200, frame(b"order 1").as_slice()));
     assert!(r.headers.contains(&("x-idempotent-replay".into(), "true".into())));
+    let mut reply = MockView::default();
+    reply.resp(":status", "200").resp("content-length", "13");
+    assert_eq!(
+        s.on_response_headers(&reply, false),
+        Step::go(vec![Effect::RemoveResponseHeader("content-length".into())]),
+        "a gRPC answer has no length"
+    );
     assert_eq!(s.on_response_body(&MockView::default(), 4, false), Step::go(vec![]));
     assert_eq!(
         s.on_response_body(&MockView::default(), 8, true),
