@@ -26,7 +26,7 @@ use tonic::Status;
 
 use crate::backend::{Backend, BackendError};
 use crate::http::{ceil_millis, give_up_at};
-use crate::metrics::{Op as MetricOp, Outcome as MetricOutcome, Rejection};
+use crate::metrics::{Op as MetricOp, Outcome as MetricOutcome, Rejection, Timer};
 use crate::store::{Begin, Store};
 
 /// Answers waiting to be written to one stream: past this, calls on it wait for the client to
@@ -207,16 +207,9 @@ async fn commit<B: Backend>(
     }
     let timer = store.metrics().timer(MetricOp::Commit, started);
     let retention = Duration::from_secs(c.retention_s);
-    match store.commit(&c.key, &c.token, &c.body_hash, Bytes::from(c.record), retention).await {
-        Ok(outcome) => {
-            timer.answered(MetricOutcome::Commit(outcome));
-            Ok(Outcome::Committed(outcome.as_str().to_string()))
-        }
-        Err(e) => {
-            timer.failed(&e);
-            Err(failed(&e))
-        }
-    }
+    let done = store.commit(&c.key, &c.token, &c.body_hash, Bytes::from(c.record), retention).await;
+    let outcome = timed(timer, done, |o| MetricOutcome::Commit(*o))?;
+    Ok(Outcome::Committed(outcome.as_str().to_string()))
 }
 
 async fn release<B: Backend>(
@@ -227,10 +220,21 @@ async fn release<B: Backend>(
     check(store, proto::is_hex64(r.key.as_bytes()), "key must be 64 lowercase hex characters")?;
     check(store, proto::is_token(r.token.as_bytes()), "token must be a lock token")?;
     let timer = store.metrics().timer(MetricOp::Release, started);
-    match store.release(&r.key, &r.token).await {
-        Ok(outcome) => {
-            timer.answered(MetricOutcome::Release(outcome));
-            Ok(Outcome::Released(outcome.as_str().to_string()))
+    let outcome = timed(timer, store.release(&r.key, &r.token).await, |o| MetricOutcome::Release(*o))?;
+    Ok(Outcome::Released(outcome.as_str().to_string()))
+}
+
+/// Records a call's result on its timer: an outcome as answered, a backend error as failed
+/// (and a [`Failure`] for the caller).
+fn timed<T>(
+    timer: Timer<'_>,
+    result: Result<T, BackendError>,
+    outcome: impl FnOnce(&T) -> MetricOutcome,
+) -> Result<T, Failure> {
+    match result {
+        Ok(value) => {
+            timer.answered(outcome(&value));
+            Ok(value)
         }
         Err(e) => {
             timer.failed(&e);

@@ -126,9 +126,9 @@ impl Config {
     /// Checks every key of a configuration as written and builds the configuration.
     pub fn validate(mut raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         // The sending side (mint mode) and the replay listener make no store calls.
-        let mint = matches!(&raw.mode, Some(Value::String(m)) if m == "mint" || m == "grpc_replay");
+        let no_store = matches!(&raw.mode, Some(Value::String(m)) if m == "mint" || m == "grpc_replay");
         let store_cluster = match raw.store_cluster.take() {
-            None if mint => String::new(),
+            None if no_store => String::new(),
             None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
             Some(v) => non_empty_string("store_cluster", v)?,
         };

@@ -29,10 +29,8 @@ pub fn answer(
             Metric::Replayed,
         );
     }
-    if let (Some(made_for), Some(retry)) = (&record.print, print) {
-        if let Some(what) = made_for.differs_from(retry) {
-            return (problem::key_reused(&what), Metric::Mismatched);
-        }
+    if let Some(refusal) = made_for_another(&record, print) {
+        return (refusal, Metric::Mismatched);
     }
     let mut headers = record.headers;
     if record.body_omitted {
@@ -51,6 +49,12 @@ pub fn answer(
     }
     headers.push(replayed);
     (LocalResponse { status: u32::from(record.status), headers, body: record.body }, Metric::Replayed)
+}
+
+/// The `422` for a retry whose request is not the one `record` was made for, if it is not.
+pub fn made_for_another(record: &Record, print: Option<&RequestPrint>) -> Option<LocalResponse> {
+    let what = record.print.as_ref()?.differs_from(print?)?;
+    Some(problem::key_reused(&what))
 }
 
 #[cfg(test)]

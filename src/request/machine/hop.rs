@@ -16,10 +16,8 @@ const MAX_HOP_BODY: usize = 8 * 1024 * 1024 + 2 * record::MAX_HEADERS * (record:
 impl Machine {
     /// The guard: the answer for a gRPC retry whose key has `record`.
     pub(super) fn grpc_replay(&self, record: Record) -> Vec<Effect> {
-        if let (Some(made_for), Some(retry)) = (&record.print, self.print.as_ref()) {
-            if let Some(what) = made_for.differs_from(retry) {
-                return vec![Effect::Respond(problem::key_reused(&what)), Effect::Count(Metric::Mismatched)];
-            }
+        if let Some(refusal) = replay::made_for_another(&record, self.print.as_ref()) {
+            return vec![Effect::Respond(refusal), Effect::Count(Metric::Mismatched)];
         }
         if record.trailers.is_none() {
             // An HTTP answer under this key (the same path, posted without gRPC).

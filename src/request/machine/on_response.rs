@@ -17,6 +17,25 @@ fn single_status(trailers: &[(String, String)]) -> Option<u8> {
     }
 }
 
+/// Every value of each of `names` a record can keep: a value Envoy could not send back in a
+/// local reply is left out, not mangled.
+fn kept_values<'a>(
+    names: impl Iterator<Item = &'a str>,
+    values_of: &dyn Fn(&str) -> Vec<Vec<u8>>,
+) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for name in names {
+        for value in values_of(name) {
+            if headers::is_valid_value(&value) {
+                if let Ok(v) = String::from_utf8(value) {
+                    out.push((name.to_string(), v));
+                }
+            }
+        }
+    }
+    out
+}
+
 fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
     pairs.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
 }
@@ -139,7 +158,7 @@ impl Machine {
     ) -> Vec<Effect> {
         let mut effects = Vec::new();
         let values_of = |name: &str| values(&answer.headers, name);
-        let (head, mut headers) = self.answer_head(200, None, values_of);
+        let (head, headers) = self.grpc_answer_head(values_of);
         let mut frames = Frames::default();
         frames.feed(&answer.body);
         let whole = frames.complete() && frames.messages <= 1;
@@ -149,13 +168,6 @@ impl Machine {
             }
             effects.extend(release(key, token));
             return effects;
-        }
-        if !self.cfg.replay_headers.iter().any(|n| n == "grpc-encoding") {
-            headers.extend(
-                values_of("grpc-encoding")
-                    .into_iter()
-                    .filter_map(|v| Some(("grpc-encoding".to_string(), String::from_utf8(v).ok()?))),
-            );
         }
         // Trailers-only: the status is in the headers.
         let source = if answer.trailers.is_empty() { &answer.headers } else { &answer.trailers };
@@ -178,11 +190,7 @@ impl Machine {
             return effects;
         }
         let too_large = live.body.len() > self.cfg.max_record_bytes;
-        let code = single_status(live.trailers.as_deref().unwrap_or_default());
-        let fits =
-            record::headers_fit(&live.headers) && live.trailers.as_deref().is_some_and(record::headers_fit);
-        let keep = code.is_some_and(|c| self.cfg.store_grpc_statuses.contains(c))
-            && fits
+        let keep = self.grpc_kept(&live.headers, live.trailers.as_deref().unwrap_or_default())
             && !(too_large && self.cfg.record_too_large == TooLarge::Release);
         if !keep {
             effects.extend(release(key, token));
@@ -208,18 +216,10 @@ impl Machine {
     ) -> Vec<Effect> {
         let status = first(view.response_header(":status"));
         let values_of = |name: &str| view.response_header(name);
-        let (head, mut headers) = self.answer_head(200, None, values_of);
+        let (head, headers) = self.grpc_answer_head(values_of);
         let is_grpc = grpc::kind(head.content_type.as_deref()) == grpc::Kind::Grpc;
         if status.as_deref() != Some(b"200") || !is_grpc || !head.readable {
             return release(key, token);
-        }
-        // How the message is compressed: a replay without it could not be read.
-        if !self.cfg.replay_headers.iter().any(|n| n == "grpc-encoding") {
-            for v in view.response_header("grpc-encoding") {
-                if let Ok(v) = String::from_utf8(v) {
-                    headers.push(("grpc-encoding".to_string(), v));
-                }
-            }
         }
         let capture = Capture {
             head,
@@ -282,21 +282,31 @@ impl Machine {
     /// allow-listed metadata (`replay_headers`) that came after the message.
     fn grpc_trailers(&self, values_of: &dyn Fn(&str) -> Vec<Vec<u8>>) -> Vec<(String, String)> {
         let always = ["grpc-status", "grpc-message", "grpc-status-details-bin"];
-        let listed = self.cfg.replay_headers.iter().map(String::as_str).filter(|n| !always.contains(n));
-        let mut out = Vec::new();
-        for name in always.into_iter().chain(listed) {
-            if name == "content-type" {
-                continue;
-            }
-            for value in values_of(name) {
-                if headers::is_valid_value(&value) {
-                    if let Ok(v) = String::from_utf8(value) {
-                        out.push((name.to_string(), v));
-                    }
-                }
-            }
+        let listed = self
+            .cfg
+            .replay_headers
+            .iter()
+            .map(String::as_str)
+            .filter(|n| !always.contains(n) && *n != "content-type");
+        kept_values(always.into_iter().chain(listed), values_of)
+    }
+
+    /// [`Self::answer_head`] for a gRPC answer: its record also keeps `grpc-encoding` (how the
+    /// message is compressed: a replay without it could not be read).
+    fn grpc_answer_head(&self, values_of: impl Fn(&str) -> Vec<Vec<u8>>) -> (Head, Vec<(String, String)>) {
+        let (head, mut headers) = self.answer_head(200, None, &values_of);
+        if !self.cfg.replay_headers.iter().any(|n| n == "grpc-encoding") {
+            headers.extend(kept_values(["grpc-encoding"].into_iter(), &values_of));
         }
-        out
+        (head, headers)
+    }
+
+    /// A gRPC answer whose messages were whole is kept when its one `grpc-status` is in
+    /// `store_grpc_statuses` and its headers and trailers fit a record.
+    fn grpc_kept(&self, headers: &[(String, String)], trailers: &[(String, String)]) -> bool {
+        single_status(trailers).is_some_and(|c| self.cfg.store_grpc_statuses.contains(c))
+            && record::headers_fit(headers)
+            && record::headers_fit(trailers)
     }
 
     /// A gRPC answer ended with `trailers`: kept when its status is one `store_grpc_statuses`
@@ -307,28 +317,19 @@ impl Machine {
         else {
             return vec![];
         };
-        let statuses: Vec<&String> =
-            trailers.iter().filter(|(n, _)| n == "grpc-status").map(|(_, v)| v).collect();
-        let code = match statuses.as_slice() {
-            [one] => grpc::parse_status(one.as_bytes()),
-            _ => None,
-        };
         let whole = capture.grpc.as_ref().is_some_and(|f| f.complete() && f.messages <= 1);
-        let fits = record::headers_fit(&capture.headers) && record::headers_fit(&trailers);
-        match code {
-            Some(code) if self.cfg.store_grpc_statuses.contains(code) && whole && fits => {
-                let record = Record {
-                    status: 200,
-                    headers: capture.headers,
-                    body: capture.body,
-                    body_omitted: capture.omitted,
-                    print: self.print.clone(),
-                    trailers: Some(trailers),
-                };
-                vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
-            }
-            _ => release(key, token),
+        if !whole || !self.grpc_kept(&capture.headers, &trailers) {
+            return release(key, token);
         }
+        let record = Record {
+            status: 200,
+            headers: capture.headers,
+            body: capture.body,
+            body_omitted: capture.omitted,
+            print: self.print.clone(),
+            trailers: Some(trailers),
+        };
+        vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
     }
 
     pub(super) fn finish_capture(&mut self) -> Vec<Effect> {
@@ -471,17 +472,6 @@ impl Machine {
         let listed = &self.cfg.replay_headers;
         let representation =
             headers::REPRESENTATION.iter().copied().filter(|n| !listed.iter().any(|l| l == n));
-        let mut out = Vec::new();
-        for name in listed.iter().map(String::as_str).chain(representation) {
-            for value in values_of(name) {
-                // A value Envoy could not send back in a local reply is left out, not mangled.
-                if headers::is_valid_value(&value) {
-                    if let Ok(v) = String::from_utf8(value) {
-                        out.push((name.to_string(), v));
-                    }
-                }
-            }
-        }
-        out
+        kept_values(listed.iter().map(String::as_str).chain(representation), &values_of)
     }
 }
