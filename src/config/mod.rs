@@ -43,6 +43,9 @@ config! {
         /// ... and at most these bytes per VM (0: no cache).
         record_cache_bytes: usize = 4 * 1024 * 1024, 0..=256 * 1024 * 1024;
         /// Store calls timing out in a row that open the breaker (see `worker::breaker`) ...
+        /// Store streams per worker (`store_transport: stream`), each opened to the host Envoy
+        /// picks: several spread a worker's calls over several idemstores.
+        store_streams: usize = 2, 1..=16;
         breaker_failures: u32 = 3, 1..=1000;
         /// ... for this long, before one `begin` probes the store (0: no breaker).
         breaker_open_ms: u64 = 500, 0..=60_000;
@@ -71,6 +74,8 @@ config! {
         replay_headers: Vec<String>,
         subject: Subject,
         failure_mode: FailureMode,
+        /// `stream` (default) or `callout`.
+        store_transport: StoreTransport,
         /// At most `lock_ttl_ms`.
         detached_timeout_ms: u64,
         /// Header that carries the derived store key to the upstream (absent: not sent).
@@ -155,6 +160,16 @@ impl Config {
             Some(Value::String(s)) if s == "closed" => FailureMode::Closed,
             Some(_) => return Err(err("failure_mode", "must be \"open\" or \"closed\"")),
         };
+        let store_transport = match raw.store_transport {
+            None => StoreTransport::Stream,
+            Some(Value::String(s)) if s == "stream" => StoreTransport::Stream,
+            Some(Value::String(s)) if s == "callout" => StoreTransport::Callout,
+            Some(_) => return Err(err("store_transport", "must be \"stream\" or \"callout\"")),
+        };
+        // The stream names the cluster inside a serialized `GrpcService` the host takes as a string.
+        if store_transport == StoreTransport::Stream && store_cluster.len() > 120 {
+            return Err(err("store_cluster", "is at most 120 bytes with `store_transport: stream`"));
+        }
         // A detached call that outlived its lock would run unguarded: it is bounded by the TTL.
         let lock_ttl_ms = simple.lock_ttl_ms;
         let detached_timeout_ms = keys::number(
@@ -284,6 +299,7 @@ impl Config {
             replay_headers,
             subject,
             failure_mode,
+            store_transport,
             detached_timeout_ms,
             store_key_header,
             store_secret,
@@ -341,6 +357,10 @@ impl Config {
             failure_mode: Some(json!(match self.failure_mode {
                 FailureMode::Open => "open",
                 FailureMode::Closed => "closed",
+            })),
+            store_transport: Some(json!(match self.store_transport {
+                StoreTransport::Stream => "stream",
+                StoreTransport::Callout => "callout",
             })),
             detached_timeout_ms: Some(json!(self.detached_timeout_ms)),
             store_key_header: Some(json!(self.store_key_header)),

@@ -506,3 +506,16 @@ fn grpc_keys() {
     assert_eq!(again.store_grpc_statuses, c.store_grpc_statuses);
     assert_eq!(again.grpc_streaming_methods, c.grpc_streaming_methods);
 }
+
+#[test]
+fn the_store_transport_is_a_stream_unless_told() {
+    assert_eq!(parse(r#"{"store_cluster":"s"}"#).unwrap().store_transport, StoreTransport::Stream);
+    let callout = parse(r#"{"store_cluster":"s","store_transport":"callout"}"#).unwrap();
+    assert_eq!(callout.store_transport, StoreTransport::Callout);
+    let e = parse(r#"{"store_cluster":"s","store_transport":"grpc"}"#).unwrap_err();
+    assert!(e.to_string().contains("store_transport"), "{e}");
+    let long = format!(r#"{{"store_cluster":"{}"}}"#, "c".repeat(121));
+    assert!(parse(&long).unwrap_err().to_string().contains("at most 120 bytes"));
+    let long_callout = format!(r#"{{"store_cluster":"{}","store_transport":"callout"}}"#, "c".repeat(121));
+    assert!(parse(&long_callout).is_ok());
+}

@@ -11,6 +11,15 @@ pub enum FailureMode {
     Closed,
 }
 
+/// How store calls travel to idemstore (`store_transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreTransport {
+    /// As messages on one long-lived gRPC stream per worker (`worker::store_stream`).
+    Stream,
+    /// As one HTTP callout per call (commits batched): idemstore's HTTP API.
+    Callout,
+}
+
 /// The shared secret sent to idemstore in `x-idem-secret`. Its `Debug` never shows the value,
 /// so a logged or asserted `Config` cannot leak it.
 #[derive(Clone, PartialEq, Eq)]

@@ -1,4 +1,5 @@
-//! The proxy-wasm calls a stream's callbacks make, without the SDK's panics.
+//! The proxy-wasm calls a stream's callbacks make (and the store stream's sends), without the
+//! SDK's panics.
 //!
 //! `proxy_wasm::hostcalls` returns `Result`, but panics on any status it does not expect (for
 //! `set_map_value`, anything but `Ok`), and a panic traps the VM. Envoy does answer such
@@ -79,6 +80,8 @@ extern "C" {
     ) -> u32;
     fn proxy_get_property(path: *const u8, path_size: usize, data: *mut *mut u8, size: *mut usize) -> u32;
     fn proxy_set_property(path: *const u8, path_size: usize, value: *const u8, value_size: usize) -> u32;
+    fn proxy_grpc_send(token: u32, message: *const u8, message_size: usize, end_stream: bool) -> u32;
+    fn proxy_grpc_cancel(token: u32) -> u32;
 }
 
 const OK: u32 = 0;
@@ -211,6 +214,18 @@ pub fn set_property(path: &[&str], value: &[u8]) -> Result<(), Status> {
     let path = path.join("\0");
     // SAFETY: both slices outlive the call.
     ok(unsafe { proxy_set_property(path.as_ptr(), path.len(), value.as_ptr(), value.len()) })
+}
+
+/// A message on an open gRPC stream (the stream's context must be the effective one).
+pub fn grpc_send(token: u32, message: &[u8]) -> Result<(), Status> {
+    // SAFETY: `message` outlives the call; the host only reads it.
+    ok(unsafe { proxy_grpc_send(token, message.as_ptr(), message.len(), false) })
+}
+
+/// Resets a gRPC stream; no callback of it follows.
+pub fn grpc_cancel(token: u32) -> Result<(), Status> {
+    // SAFETY: no memory is passed.
+    ok(unsafe { proxy_grpc_cancel(token) })
 }
 
 /// proxy-wasm's map encoding: the pair count, each pair's key and value sizes (u32, little

@@ -8,17 +8,18 @@
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action as HostAction, BufferType, ContextType, LogLevel, MapType, MetricType};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::hash::{BuildHasher, Hasher};
 use std::rc::Rc;
 use std::time::Duration;
 
 use crate::config::Config;
 use crate::request::machine::{Action, Machine, Step, StreamView};
-use crate::request::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY};
+use crate::request::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY, STREAM_CALLS};
 use crate::worker::command::Command;
 use crate::worker::coordinator::{Coordinator, Stepped};
 use crate::worker::env::Clock;
+use idem_protocol::stream::{METHOD, SERVICE};
 
 mod abi;
 mod env;
@@ -39,7 +40,12 @@ struct Vm {
     latency: Vec<u32>,
     /// The gauge [`LOCAL_RECORDS`].
     local_records: u32,
+    /// The gauge [`STREAM_CALLS`].
+    stream_calls: u32,
     coordinator: RefCell<Coordinator>,
+    /// The context whose callback runs now: the effective context again after a store stream
+    /// message is sent as the root's from a stream callback.
+    current: Cell<u32>,
 }
 
 impl Vm {
@@ -127,6 +133,9 @@ impl Vm {
             Command::LocalRecords(n) => {
                 let _ = hostcalls::record_metric(self.local_records, n);
             }
+            Command::StreamCalls(delta) => {
+                let _ = hostcalls::increment_metric(self.stream_calls, delta);
+            }
             Command::Tick { period_ms } => {
                 let _ = hostcalls::set_tick_period(Duration::from_millis(period_ms));
             }
@@ -161,6 +170,38 @@ impl Vm {
                     }
                 };
                 self.report(|c| c.on_dispatched(d.job, token, &HostEnv));
+            }
+            Command::OpenStream { service, metadata } => {
+                // Envoy registers the stream with the effective context, and delivers its
+                // messages there: the root. The SDK's call registers the token for that delivery
+                // (it panics only on statuses Envoy does not give for a cluster name).
+                let _ = abi::set_effective_context(self.root_id);
+                let metadata = metadata.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
+                let token = match hostcalls::open_grpc_stream(&service, SERVICE, METHOD, metadata) {
+                    Ok(token) => Some(token),
+                    Err(s) => {
+                        log::warn!("cannot open the store stream: {s:?}");
+                        None
+                    }
+                };
+                self.report(|c| c.on_stream_opened(token, &HostEnv));
+            }
+            Command::StreamSend { token, message } => {
+                let _ = abi::set_effective_context(self.root_id);
+                let sent = abi::grpc_send(token, &message);
+                let _ = abi::set_effective_context(self.current.get());
+                if let Err(s) = sent {
+                    log::warn!("cannot send on the store stream: {s:?}");
+                    self.report(|c| c.on_stream_send_failed(token, &HostEnv));
+                }
+            }
+            Command::CancelStream { token } => {
+                let _ = abi::set_effective_context(self.root_id);
+                let cancelled = abi::grpc_cancel(token);
+                let _ = abi::set_effective_context(self.current.get());
+                if let Err(s) = cancelled {
+                    log::debug!("cannot cancel the store stream: {s:?}");
+                }
             }
         }
     }
@@ -201,13 +242,23 @@ impl Root {
             .map(|(_, name)| define(MetricType::Histogram, name))
             .collect::<Result<_, _>>()?;
         let local_records = define(MetricType::Gauge, LOCAL_RECORDS)?;
+        let stream_calls = define(MetricType::Gauge, STREAM_CALLS)?;
         // Queue names are per VM id, and every worker runs this root: a random name keeps each
         // worker's wake-ups on its own thread, where its streams live.
         let name = format!("idempotency-outbox-{:016x}", random_u64(self.id));
         let queue = hostcalls::register_shared_queue(&name)
             .map_err(|s| format!("cannot register shared queue: {s:?}"))?;
         let coordinator = RefCell::new(Coordinator::new(Rc::new(cfg)));
-        let vm = Vm { root_id: self.id, queue, metrics, latency, local_records, coordinator };
+        let vm = Vm {
+            root_id: self.id,
+            queue,
+            metrics,
+            latency,
+            local_records,
+            stream_calls,
+            coordinator,
+            current: Cell::new(self.id),
+        };
         vm.run(|c| c.set_up(&HostEnv, random_u64(self.id)));
         Ok(vm)
     }
@@ -235,7 +286,22 @@ impl Context for Root {
         } else {
             Vec::new()
         };
+        vm.current.set(self.id);
         vm.run(|c| c.on_callout_answer_with_trailers(token, headers, body, trailers, &HostEnv));
+    }
+
+    fn on_grpc_stream_message(&mut self, token: u32, size: usize) {
+        let Some(vm) = &self.vm else { return };
+        let message =
+            abi::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten().unwrap_or_default();
+        vm.current.set(self.id);
+        vm.run(|c| c.on_stream_message(token, &message, &HostEnv));
+    }
+
+    fn on_grpc_stream_close(&mut self, token: u32, status: u32) {
+        let Some(vm) = &self.vm else { return };
+        vm.current.set(self.id);
+        vm.run(|c| c.on_stream_closed(token, status, &HostEnv));
     }
 }
 
@@ -262,6 +328,7 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         if let Some(vm) = &self.vm {
+            vm.current.set(self.id);
             vm.run(|c| c.on_tick(&HostEnv));
         }
     }
@@ -269,6 +336,7 @@ impl RootContext for Root {
     fn on_queue_ready(&mut self, queue_id: u32) {
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue_id) {}
         if let Some(vm) = &self.vm {
+            vm.current.set(self.id);
             vm.run(|c| c.on_queue_ready(&HostEnv));
         }
     }
@@ -297,6 +365,7 @@ impl HttpStream {
         let Some(vm) = &self.vm else { return HostAction::Continue };
         let view = HostView::default();
         let id = self.id;
+        vm.current.set(id);
         let Some(Stepped { action, done }) = vm.run(|c| c.on_stream_event(id, &view, &HostEnv, event)) else {
             return HostAction::Continue;
         };
@@ -312,6 +381,7 @@ impl Context for HttpStream {
     fn on_done(&mut self) -> bool {
         if let Some(vm) = &self.vm {
             let id = self.id;
+            vm.current.set(id);
             vm.run(|c| c.on_stream_done(id, &HostEnv));
         }
         true

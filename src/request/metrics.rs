@@ -57,10 +57,16 @@ pub enum Metric {
     /// A gRPC call let through unguarded: it streams (a listed method, or a second message)
     /// or is gRPC-Web. An answer with a second message also counts (its lock is given back).
     GrpcUnguarded,
+    /// Store streams opened (`store_transport: stream`): one per worker, and one more after
+    /// each reset.
+    StoreStreamsOpened,
+    /// Store streams that closed, reset, or were given up (silent past a call's deadline, or
+    /// carrying garbage): every call in flight on one failed (each also in `store_errors`).
+    StoreStreamResets,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 23] = [
+    pub const ALL: [Metric; 25] = [
         Metric::Guarded,
         Metric::Replayed,
         Metric::Executed,
@@ -84,6 +90,8 @@ impl Metric {
         Metric::HandBackDropped,
         Metric::Minted,
         Metric::GrpcUnguarded,
+        Metric::StoreStreamsOpened,
+        Metric::StoreStreamResets,
     ];
 
     pub fn name(self) -> &'static str {
@@ -111,6 +119,8 @@ impl Metric {
             Metric::HandBackDropped => "idempotency.handback_dropped",
             Metric::Minted => "idempotency.minted",
             Metric::GrpcUnguarded => "idempotency.grpc_unguarded",
+            Metric::StoreStreamsOpened => "idempotency.store_streams_opened",
+            Metric::StoreStreamResets => "idempotency.store_stream_resets",
         }
     }
 
@@ -140,7 +150,9 @@ impl Metric {
             | Metric::LocalLocks
             | Metric::LocalReplays
             | Metric::HandedBack
-            | Metric::HandBackDropped => None,
+            | Metric::HandBackDropped
+            | Metric::StoreStreamsOpened
+            | Metric::StoreStreamResets => None,
         }
     }
 
@@ -163,6 +175,9 @@ pub const OUTCOME_PROPERTY: &str = "idempotency_outcome";
 
 /// Gauge: the local records the process keeps (the local fallback), as last counted.
 pub const LOCAL_RECORDS: &str = "idempotency.local_records";
+
+/// Gauge: store calls in flight on the store streams (each worker adds its own).
+pub const STREAM_CALLS: &str = "idempotency.store_stream_calls";
 
 #[cfg(test)]
 mod tests {

@@ -13,11 +13,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
+use crate::config::values::StoreTransport;
 use crate::config::Config;
 use crate::request::detached::UpstreamCall;
 use crate::store::client::{self, StoreCall};
+use crate::store::stream as wire;
 use crate::worker::command::{Command, Dispatch};
 use crate::worker::env::Clock;
+use crate::worker::store_stream::{Ended, StoreStream};
 
 /// A callout on behalf of a stream (which may be gone by the time it answers), or of the
 /// worker itself (a batch of commits, a hand-back).
@@ -105,12 +108,13 @@ pub struct Callouts {
     /// Off once the store answered a batch `404`/`405`: an idemstore older than `commits` (a
     /// rolling upgrade) gets every commit alone, as before, instead of a failed batch each time.
     batching: bool,
+    /// With `store_transport: stream`, the store calls that fit on it go there.
+    stream: Option<StoreStream>,
 }
 
 impl Callouts {
     pub fn new(cfg: Rc<Config>) -> Callouts {
         Callouts {
-            cfg,
             outbox: Vec::new(),
             wake_pending: false,
             dispatching: HashMap::new(),
@@ -119,37 +123,91 @@ impl Callouts {
             commit_flights: 0,
             held: Vec::new(),
             batching: true,
+            stream: (cfg.store_transport == StoreTransport::Stream)
+                .then(|| StoreStream::new(Rc::clone(&cfg), 1)),
+            cfg,
         }
     }
 
-    /// Queues a callout: dispatched at once in a root callback, else after a wake-up.
-    pub fn submit(&mut self, job: Job, callback: Callback, clock: &dyn Clock, out: &mut VecDeque<Command>) {
+    /// A random seed for this VM: the stream's reopen jitter.
+    pub fn seed(&mut self, seed: u64) {
+        if self.stream.is_some() {
+            self.stream = Some(StoreStream::new(Rc::clone(&self.cfg), seed));
+        }
+    }
+
+    /// Queues a call: sent at once on an open store stream or in a root callback, else after a
+    /// wake-up. Returns the calls that ended without leaving (the store stream backs off).
+    pub fn submit(
+        &mut self,
+        mut job: Job,
+        callback: Callback,
+        clock: &dyn Clock,
+        out: &mut VecDeque<Command>,
+    ) -> Vec<Ended> {
+        if callback == Callback::Stream && self.streams(&job) {
+            if let Some(stream) = self.stream.as_mut().filter(|s| s.can_send()) {
+                job.sent_us = clock.now_us();
+                let now_ms = job.sent_us.map_or(0, |us| us / 1000);
+                return match stream.send(job, now_ms, false, out) {
+                    None => vec![],
+                    Some(job) => vec![Ended::Failed(job, client::CalloutFault::Reset)],
+                };
+            }
+        }
         self.outbox.push(job);
         match callback {
-            Callback::Root => self.flush(clock, out),
+            Callback::Root => return self.flush(clock, out),
             Callback::Stream if !self.wake_pending => {
                 self.wake_pending = true;
                 out.push_back(Command::Wake);
             }
             Callback::Stream => {}
         }
+        vec![]
     }
 
-    /// The root's wake-up: dispatches everything queued (or holds commits for a batch).
-    pub fn flush(&mut self, clock: &dyn Clock, out: &mut VecDeque<Command>) {
+    /// The root's wake-up: sends everything queued (or holds commits for a batch). Returns the
+    /// calls that ended without leaving.
+    pub fn flush(&mut self, clock: &dyn Clock, out: &mut VecDeque<Command>) -> Vec<Ended> {
         self.wake_pending = false;
         let jobs = std::mem::take(&mut self.outbox);
+        let mut ended = Vec::new();
         if jobs.is_empty() {
-            return;
+            return ended;
         }
         let sent_us = clock.now_us();
-        for job in jobs {
-            if self.batching && job.batchable() && self.commit_flights > 0 {
+        for mut job in jobs {
+            if self.streams(&job) {
+                if let Some(stream) = &mut self.stream {
+                    job.sent_us = sent_us;
+                    let now_ms = sent_us.map_or(0, |us| us / 1000);
+                    if let Some(job) = stream.send(job, now_ms, true, out) {
+                        ended.push(Ended::Failed(job, client::CalloutFault::Reset));
+                    }
+                }
+            } else if self.batching && job.batchable() && self.commit_flights > 0 {
                 self.held.push(job);
             } else {
                 self.dispatch(job, sent_us, out);
             }
         }
+        ended
+    }
+
+    /// Whether `job` goes on the store stream: a store call that fits on it, when there is one.
+    fn streams(&self, job: &Job) -> bool {
+        self.stream.is_some() && matches!(&job.call, Call::Store(call) if wire::fits(call))
+    }
+
+    /// The store stream, if the worker has one.
+    pub fn stream(&mut self) -> Option<&mut StoreStream> {
+        self.stream.as_mut()
+    }
+
+    /// The tick the calls in flight need.
+    pub fn tick_ms(&self) -> u64 {
+        self.stream.as_ref().map_or(0, StoreStream::tick_ms)
     }
 
     /// The wake-up could not be sent: the queued calls, which would never leave.
@@ -279,7 +337,8 @@ impl Callouts {
     /// Callouts not yet answered, wherever they are.
     #[cfg(any(test, feature = "sim"))]
     pub fn pending(&self) -> usize {
-        self.outbox.len() + self.held.len() + self.dispatching.len() + self.in_flight.len()
+        let streamed = self.stream.as_ref().map_or(0, StoreStream::pending);
+        self.outbox.len() + self.held.len() + self.dispatching.len() + self.in_flight.len() + streamed
     }
 
     /// The store calls waiting for a wake-up.

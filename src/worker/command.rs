@@ -8,6 +8,8 @@
 //! [`Coordinator::on_queue_ready`]: crate::worker::coordinator::Coordinator::on_queue_ready
 //! [`Coordinator::on_wake_failed`]: crate::worker::coordinator::Coordinator::on_wake_failed
 //! [`Coordinator::on_dispatched`]: crate::worker::coordinator::Coordinator::on_dispatched
+//! [`Coordinator::on_stream_opened`]: crate::worker::coordinator::Coordinator::on_stream_opened
+//! [`Coordinator::on_stream_send_failed`]: crate::worker::coordinator::Coordinator::on_stream_send_failed
 
 use crate::request::metrics::Metric;
 use crate::request::problem::LocalResponse;
@@ -69,6 +71,8 @@ pub enum Command {
     },
     /// Set the gauge of local records (`metrics::LOCAL_RECORDS`).
     LocalRecords(u64),
+    /// Add to the gauge of calls in flight on the store streams (`metrics::STREAM_CALLS`).
+    StreamCalls(i64),
     /// Call [`Coordinator::on_tick`] every this many milliseconds (0: stop).
     Tick {
         period_ms: u64,
@@ -83,6 +87,23 @@ pub enum Command {
     Wake,
     /// Send a callout from the root context and tell [`Coordinator::on_dispatched`] its token.
     Dispatch(Dispatch),
+    /// Open the store stream (gRPC `idem_protocol::stream::PATH`) to `service` (Envoy's
+    /// `GrpcService`, serialized: `store::stream::grpc_service`) with this metadata, and tell
+    /// [`Coordinator::on_stream_opened`] its token. Only in root callbacks.
+    OpenStream {
+        service: String,
+        metadata: Vec<(String, String)>,
+    },
+    /// Send a message on the store stream `token` (as the root context, also from a stream
+    /// callback); on failure, tell [`Coordinator::on_stream_send_failed`].
+    StreamSend {
+        token: u32,
+        message: Vec<u8>,
+    },
+    /// Reset the store stream `token`: the worker gave up on it.
+    CancelStream {
+        token: u32,
+    },
 }
 
 /// A callout to send.

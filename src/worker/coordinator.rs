@@ -30,6 +30,7 @@ use crate::worker::command::Command;
 use crate::worker::env::Env;
 use crate::worker::fallback::LocalAnswer;
 use crate::worker::store_path::{Presence, Routed, StorePath};
+use crate::worker::store_stream::Ended;
 
 /// What a stream callback returns to Envoy, and whether the stream's later callbacks can skip
 /// the coordinator (the machine is done with it).
@@ -97,6 +98,10 @@ pub struct Coordinator {
     hop_wake: bool,
     commands: VecDeque<Command>,
     callback: Callback,
+    /// The root's tick period asked for last.
+    tick_ms: u64,
+    /// Calls on the store stream, as last told to the host.
+    streamed: usize,
 }
 
 impl Coordinator {
@@ -111,6 +116,8 @@ impl Coordinator {
             hop_wake: false,
             commands: VecDeque::new(),
             callback: Callback::Stream,
+            tick_ms: 0,
+            streamed: 0,
         }
     }
 
@@ -118,7 +125,8 @@ impl Coordinator {
     /// per VM.
     pub fn set_up(&mut self, env: &dyn Env, seed: u64) {
         self.callback = Callback::Root;
-        self.path.set_up(env, seed, &mut self.commands);
+        self.path.set_up(env, seed);
+        self.callouts.seed(seed);
     }
 
     /// The root's tick: waiters for a local lock look again, local records are handed back.
@@ -135,14 +143,124 @@ impl Coordinator {
         }
         for call in tick.hand_backs {
             let job = Job { hand_back: true, ..Job::worker(Call::Store(call)) };
-            self.callouts.submit(job, self.callback, env, &mut self.commands);
+            self.submit(job, env);
         }
-        self.path.retick(&mut self.commands);
+        if let (Some(stream), Some(now_ms)) = (self.callouts.stream(), env.now_ms()) {
+            let ended = stream.sweep(now_ms, &mut self.commands);
+            self.stream_ended(ended, env);
+        }
     }
 
-    /// The next thing for the host to do.
+    /// The next thing for the host to do; once nothing else is left, the change in calls on the
+    /// store stream, and the root's tick period if what needs it (the local fallback, calls in
+    /// flight on the store stream) changed it.
     pub fn poll(&mut self) -> Option<Command> {
-        self.commands.pop_front()
+        if let Some(command) = self.commands.pop_front() {
+            return Some(command);
+        }
+        let streamed = self.callouts.stream().map_or(0, |s| s.pending());
+        if streamed != self.streamed {
+            let delta = streamed as i64 - self.streamed as i64;
+            self.streamed = streamed;
+            return Some(Command::StreamCalls(delta));
+        }
+        let period_ms = match (self.path.tick_ms(), self.callouts.tick_ms()) {
+            (0, b) => b,
+            (a, 0) => a,
+            (a, b) => a.min(b),
+        };
+        (period_ms != self.tick_ms).then(|| {
+            self.tick_ms = period_ms;
+            Command::Tick { period_ms }
+        })
+    }
+
+    /// Hands a call to [`Callouts`], in the callback the coordinator is in.
+    fn submit(&mut self, job: Job, env: &dyn Env) {
+        let ended = self.callouts.submit(job, self.callback, env, &mut self.commands);
+        self.stream_ended(ended, env);
+    }
+
+    /// The host carried out a [`Command::OpenStream`]: `token` is Envoy's, `None` if it refused.
+    pub fn on_stream_opened(&mut self, token: Option<u32>, env: &dyn Env) {
+        self.callback = Callback::Root;
+        let now_ms = env.now_ms().unwrap_or(0);
+        let Some(stream) = self.callouts.stream() else { return };
+        let ended = stream.opened(token, now_ms, &mut self.commands);
+        if token.is_some() {
+            self.commands.push_back(Command::Count(Metric::StoreStreamsOpened));
+        }
+        self.stream_ended(ended, env);
+    }
+
+    /// A message came on the store stream `token`.
+    pub fn on_stream_message(&mut self, token: u32, message: &[u8], env: &dyn Env) {
+        self.callback = Callback::Root;
+        let now_ms = env.now_ms().unwrap_or(0);
+        let Some(stream) = self.callouts.stream() else { return };
+        let ended = stream.message(token, message, now_ms, &mut self.commands);
+        self.stream_ended(ended, env);
+    }
+
+    /// The store stream `token` closed, with this gRPC status.
+    pub fn on_stream_closed(&mut self, token: u32, status: u32, env: &dyn Env) {
+        self.callback = Callback::Root;
+        let now_ms = env.now_ms().unwrap_or(0);
+        let Some(stream) = self.callouts.stream() else { return };
+        let ended = stream.closed(token, status, now_ms, &mut self.commands);
+        self.stream_ended(ended, env);
+    }
+
+    /// A [`Command::StreamSend`] on the store stream `token` failed.
+    pub fn on_stream_send_failed(&mut self, token: u32, env: &dyn Env) {
+        let now_ms = env.now_ms().unwrap_or(0);
+        let Some(stream) = self.callouts.stream() else { return };
+        let ended = stream.send_failed(token, now_ms, &mut self.commands);
+        self.stream_ended(ended, env);
+    }
+
+    /// Calls on the store stream ended: each as its callout's answer or fault would have.
+    fn stream_ended(&mut self, ended: Vec<Ended>, env: &dyn Env) {
+        for end in ended {
+            match end {
+                Ended::Failed(job, fault) => {
+                    let outcome = Answered::fault(&job.call, fault);
+                    self.finish(job, outcome, env);
+                }
+                Ended::Answered(job, answer) => {
+                    let now_us = env.now_us();
+                    if let (Call::Store(call), Some(sent), Some(now)) = (&job.call, job.sent_us, now_us) {
+                        self.commands.push_back(Command::Latency {
+                            kind: call.kind(),
+                            micros: now.saturating_sub(sent),
+                        });
+                    }
+                    let outcome = match &job.call {
+                        Call::Store(StoreCall::Begin { key, body_hash }) => {
+                            let begun = answer.begin();
+                            if let Ok(BeginAnswer::Replay(record)) = &begun {
+                                self.path.remember(
+                                    key,
+                                    body_hash,
+                                    record,
+                                    answer.record_ttl_ms(),
+                                    job.sent_us,
+                                    now_us,
+                                );
+                            }
+                            Answered::Begin(begun)
+                        }
+                        Call::Store(StoreCall::Commit { .. }) => Answered::Commit(answer.commit()),
+                        Call::Store(StoreCall::Release { .. }) => {
+                            Answered::Release(answer.release().map(|_| ()))
+                        }
+                        // Only store calls go on the stream.
+                        Call::Batch(_) | Call::Upstream(_) => continue,
+                    };
+                    self.finish(job, outcome, env);
+                }
+            }
+        }
     }
 
     /// A stream callback: `event` is the machine's handler for it.
@@ -223,7 +341,8 @@ impl Coordinator {
         self.hop_wake = false;
         // Those of streams that went away meanwhile were dropped (`on_stream_done`).
         self.commands.extend(std::mem::take(&mut self.hops));
-        self.callouts.flush(env, &mut self.commands);
+        let ended = self.callouts.flush(env, &mut self.commands);
+        self.stream_ended(ended, env);
     }
 
     /// A [`Command::Wake`] failed: without it the queued calls would never leave, so they fail
@@ -325,7 +444,7 @@ impl Coordinator {
             );
             self.callouts.stop_batching();
             for item in items {
-                self.callouts.submit(item, self.callback, env, &mut self.commands);
+                self.submit(item, env);
             }
             return;
         }
@@ -371,7 +490,7 @@ impl Coordinator {
                             attempt,
                             ..Job::new(job.stream, job.request_id.clone(), Call::Store(next))
                         };
-                        self.callouts.submit(retry, self.callback, env, &mut self.commands);
+                        self.submit(retry, env);
                     }
                 }
             }
@@ -382,15 +501,7 @@ impl Coordinator {
                 (Call::Store(StoreCall::Begin { key, body_hash }), Err(fault))
                     if presence != Presence::Unknown =>
                 {
-                    let outcome = self.path.begin_failed(
-                        job.stream,
-                        key,
-                        body_hash,
-                        fault,
-                        presence,
-                        env,
-                        &mut self.commands,
-                    );
+                    let outcome = self.path.begin_failed(job.stream, key, body_hash, fault, presence, env);
                     let (more, alive) = self.local_outcome(job.stream, outcome, None);
                     effects.extend(more);
                     alive
@@ -398,16 +509,15 @@ impl Coordinator {
                 (Call::Store(StoreCall::Begin { key, body_hash }), Ok(BeginAnswer::Locked { token }))
                     if presence != Presence::Unknown =>
                 {
-                    let (more, alive) =
-                        match self.path.adopt(job.stream, key, body_hash, &token, env, &mut self.commands) {
-                            None => self.answer_begin(job.stream, Ok(BeginAnswer::Locked { token }), vec![]),
-                            Some((outcome, call)) => {
-                                let hand_back = matches!(call, StoreCall::Commit { .. });
-                                let give_back = Job { hand_back, ..self.job(job.stream, Call::Store(call)) };
-                                self.callouts.submit(give_back, self.callback, env, &mut self.commands);
-                                self.local_outcome(job.stream, outcome, None)
-                            }
-                        };
+                    let (more, alive) = match self.path.adopt(job.stream, key, body_hash, &token, env) {
+                        None => self.answer_begin(job.stream, Ok(BeginAnswer::Locked { token }), vec![]),
+                        Some((outcome, call)) => {
+                            let hand_back = matches!(call, StoreCall::Commit { .. });
+                            let give_back = Job { hand_back, ..self.job(job.stream, Call::Store(call)) };
+                            self.submit(give_back, env);
+                            self.local_outcome(job.stream, outcome, None)
+                        }
+                    };
                     effects.extend(more);
                     alive
                 }
@@ -458,7 +568,7 @@ impl Coordinator {
             fault => log::info!("{}: hand-back not taken ({fault:?}), offered again", job.label()),
         }
         if let Call::Store(call) = &job.call {
-            self.path.handed_back(call.key(), ok, env, &mut self.commands);
+            self.path.handed_back(call.key(), ok, env);
         }
     }
 
@@ -580,7 +690,7 @@ impl Coordinator {
                     match self.path.route(call, stream, presence, env, &mut self.commands) {
                         Routed::Send(call) => {
                             let job = self.job(stream, Call::Store(call));
-                            self.callouts.submit(job, self.callback, env, &mut self.commands);
+                            self.submit(job, env);
                         }
                         Routed::Answered(outcome, and_count) => {
                             let (effects, _) = self.local_outcome(stream, outcome, and_count);
@@ -591,7 +701,7 @@ impl Coordinator {
                 }
                 Effect::Upstream(call) => {
                     let job = self.job(stream, Call::Upstream(call));
-                    self.callouts.submit(job, self.callback, env, &mut self.commands);
+                    self.submit(job, env);
                 }
                 Effect::Count(m) => {
                     if log::log_enabled!(log::Level::Debug) {
@@ -632,6 +742,18 @@ impl Coordinator {
     #[cfg(any(test, feature = "sim"))]
     pub fn queued(&self) -> impl Iterator<Item = &StoreCall> {
         self.callouts.queued()
+    }
+
+    /// Whether the store stream's call `id` waits for its answer.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn stream_awaits(&mut self, id: u64) -> bool {
+        self.callouts.stream().is_some_and(|s| s.awaits(id))
+    }
+
+    /// The keys of the calls waiting for the store stream to open.
+    #[cfg(any(test, feature = "sim"))]
+    pub fn stream_waiting_keys(&mut self) -> Vec<String> {
+        self.callouts.stream().map(|s| s.waiting_keys()).unwrap_or_default()
     }
 
     /// Local records may wait to be handed back (known after the last scan).

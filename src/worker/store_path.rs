@@ -5,8 +5,7 @@
 //! with it is mirrored in the local store (see `fallback`), and the local records made in an
 //! outage are handed back once it answers again.
 //!
-//! Every decision that touches the fallback asks for the root tick it needs next
-//! ([`Command::Tick`]), so that the coordinator never has to.
+//! The root tick the fallback needs is [`StorePath::tick_ms`], asked for by the coordinator.
 
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -61,8 +60,6 @@ pub struct StorePath {
     breaker: Breaker,
     /// The local lock and records, while the store fails (`local_fallback`).
     fallback: Option<Fallback>,
-    /// The root's tick period asked for last.
-    tick_ms: u64,
 }
 
 impl StorePath {
@@ -72,20 +69,18 @@ impl StorePath {
             breaker: Breaker::new(cfg.breaker_failures, cfg.breaker_open_ms),
             fallback: Fallback::new(&cfg),
             cfg,
-            tick_ms: 0,
         }
     }
 
     /// Prepares the local fallback's shared data; `seed` is random per VM. Without it (the host
     /// refused) there is no local fallback.
-    pub fn set_up(&mut self, env: &dyn Env, seed: u64, out: &mut VecDeque<Command>) {
+    pub fn set_up(&mut self, env: &dyn Env, seed: u64) {
         if let Some(f) = &mut self.fallback {
             if !f.set_up(env, seed) {
                 log::warn!("cannot set up the shared data: no local fallback while the store fails");
                 self.fallback = None;
             }
         }
-        self.retick(out);
     }
 
     /// A store call `stream`'s machine asks for: sent, answered here, or carried out here.
@@ -104,7 +99,6 @@ impl StorePath {
                         out.push_back(Command::Add { metric, n });
                     }
                 }
-                self.retick(out);
                 Routed::Done
             }
             StoreCall::Release { key, token: LockToken::Local(owner) } => {
@@ -134,7 +128,7 @@ impl StorePath {
                     }
                     if self.skips_begin(env) {
                         let fault = CalloutFault::Skipped;
-                        let outcome = self.begin_failed(stream, key, body_hash, fault, presence, env, out);
+                        let outcome = self.begin_failed(stream, key, body_hash, fault, presence, env);
                         return Routed::Answered(outcome, Some(Metric::StoreSkipped));
                     }
                 }
@@ -145,7 +139,6 @@ impl StorePath {
 
     /// The store could not answer `stream`'s `begin`: the local fallback's answer (for a stream
     /// that still has its client), or the fault.
-    #[allow(clippy::too_many_arguments)]
     pub fn begin_failed(
         &mut self,
         stream: u32,
@@ -154,16 +147,13 @@ impl StorePath {
         fault: CalloutFault,
         presence: Presence,
         env: &dyn Env,
-        out: &mut VecDeque<Command>,
     ) -> LocalAnswer {
-        let outcome = match &mut self.fallback {
+        match &mut self.fallback {
             Some(f) if presence == Presence::Live => {
                 f.begin(env, stream, key, body_hash, fault, env.now_ms())
             }
             _ => LocalAnswer::Answer(Err(fault), vec![]),
-        };
-        self.retick(out);
-        outcome
+        }
     }
 
     /// The store granted `stream` its lock: mirrored in the local store (`None`: go on under
@@ -177,7 +167,6 @@ impl StorePath {
         body_hash: &str,
         token: &LockToken,
         env: &dyn Env,
-        out: &mut VecDeque<Command>,
     ) -> Option<(LocalAnswer, StoreCall)> {
         let (Some(f), LockToken::Store(store_token)) = (&mut self.fallback, token) else { return None };
         let outcome = f.adopt(env, stream, key, body_hash, store_token, env.now_ms())?;
@@ -188,7 +177,6 @@ impl StorePath {
             }
             _ => StoreCall::Release { key, token },
         };
-        self.retick(out);
         Some((outcome, call))
     }
 
@@ -210,7 +198,6 @@ impl StorePath {
                 for (metric, n) in dropped {
                     out.push_back(Command::Add { metric, n });
                 }
-                self.retick(out);
                 kept
             }
             _ => false,
@@ -241,11 +228,10 @@ impl StorePath {
     }
 
     /// A hand-back of `key` ended (`ok`: the store has the record); else it is offered again.
-    pub fn handed_back(&mut self, key: &str, ok: bool, env: &dyn Env, out: &mut VecDeque<Command>) {
+    pub fn handed_back(&mut self, key: &str, ok: bool, env: &dyn Env) {
         if let Some(f) = &mut self.fallback {
             f.handed_back(env, key, ok, env.now_ms());
         }
-        self.retick(out);
     }
 
     /// Tells the breaker how a store call ended (`fault`: how it failed).
@@ -282,7 +268,7 @@ impl StorePath {
 
     /// The root's tick: waiters for a local lock look again, local records are handed back
     /// (`gone`: streams that no longer need an answer for a client). The caller asks for the
-    /// next tick ([`Self::retick`]) once it has carried this out.
+    /// next tick ([`Self::tick_ms`]) once it has carried this out.
     pub fn tick(&mut self, env: &dyn Env, gone: impl Fn(u32) -> bool) -> Tick {
         let Some(now_ms) = env.now_ms() else { return Tick::default() };
         let Some(scan_due) = self.fallback.as_ref().map(|f| f.scan_due(now_ms)) else {
@@ -311,13 +297,9 @@ impl StorePath {
         Tick { due, hand_backs, local_records }
     }
 
-    /// Asks for the tick the local fallback needs now, if it changed.
-    pub fn retick(&mut self, out: &mut VecDeque<Command>) {
-        let period_ms = self.fallback.as_ref().map_or(0, Fallback::tick_ms);
-        if period_ms != self.tick_ms {
-            self.tick_ms = period_ms;
-            out.push_back(Command::Tick { period_ms });
-        }
+    /// The tick the local fallback needs now (0: none).
+    pub fn tick_ms(&self) -> u64 {
+        self.fallback.as_ref().map_or(0, Fallback::tick_ms)
     }
 
     /// The cache's answer to a `begin`, if it has one.

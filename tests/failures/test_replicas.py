@@ -142,8 +142,10 @@ def test_commit_is_off_the_critical_path(replica_set, upstream, note):
     1.5 s. The client's answer does not wait for it; when it arrives the filter Envoy has
     completed exactly one store call (begin); a duplicate sent before the commit lands waits
     for it and replays the original."""
+    # The proxy holds the commit by its HTTP path: the callout transport (on the store stream a
+    # commit is one more message, sent after the answer all the same).
     rs = replica_set("commit-delay", envoys=2, stores=1, backend="redis", delay_path="/v1/commit",
-                     delay_ms=COMMIT_DELAY_MS, plugin={"store_timeout_ms": 5000})
+                     delay_ms=COMMIT_DELAY_MS, plugin={"store_timeout_ms": 5000, "store_transport": "callout"})
     e0, proxy = rs.envoys[0], rs.proxy
     completed = "cluster.idemstore.upstream_rq_completed"
     total = "cluster.idemstore.upstream_rq_total"

@@ -49,6 +49,10 @@ def drill(run_dir, artifacts, upstream, protocol: str) -> dict:
         # keys run unguarded, so that their retries show whether the store left a lock.
         cfg = {"store_cluster": "idemstore", "store_timeout_ms": TIMEOUT_MS, "lock_wait_ms": WAIT_MS,
                "breaker_open_ms": 0, "local_fallback": False}
+        if protocol != "h2c":
+            # Over HTTP/1.1 (and through the relay, which speaks idemstore's HTTP API) only
+            # callouts go; h2c runs on the suite's transport.
+            cfg["store_transport"] = "callout"
 
         def hook(config):
             clusters = config["static_resources"]["clusters"]

@@ -29,7 +29,8 @@ ACCESS_LOG_FORMAT = {
 COUNTERS = ["guarded", "replayed", "executed", "stored", "mismatched", "conflicted", "rejected", "degraded",
             "unavailable", "passthrough", "released", "commit_failed", "store_errors", "detached",
             "committed_after_gone", "cache_hits", "store_skipped", "local_locks", "local_replays", "handed_back",
-            "handback_dropped", "minted", "grpc_unguarded"]
+            "handback_dropped", "minted", "grpc_unguarded", "store_streams_opened", "store_stream_resets",
+            "store_stream_calls"]
 HISTOGRAMS = ["store_us_begin", "store_us_commit", "store_us_release"]
 
 
@@ -154,7 +155,10 @@ def test_every_documented_metric_in_prometheus(observed):
     def recorded(op):
         return sum(v for k, v in prometheus(envoy).items() if k.split("{")[0] == f"idempotency_store_us_{op}_count")
     # The test above sent begins and a commit; the histograms show them after the next flush.
-    h.wait_for(lambda: recorded("begin") >= 5 and recorded("commit") >= 2, "store latency histograms", timeout=10)
+    try:
+        h.wait_for(lambda: recorded("begin") >= 5 and recorded("commit") >= 2, "store latency histograms", timeout=10)
+    except h.HarnessError:
+        raise AssertionError([(k, v) for k, v in prometheus(envoy).items() if "store" in k or "idempotency" in k])
 
 
 def test_shipped_access_log_carries_the_outcome():

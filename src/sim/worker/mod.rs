@@ -28,6 +28,7 @@ use std::rc::Rc;
 
 use idem_protocol as proto;
 
+use crate::config::values::StoreTransport;
 use crate::config::Config;
 use crate::request::machine::Action;
 use crate::request::metrics::Metric;
@@ -39,9 +40,11 @@ use crate::worker::coordinator::{Coordinator, Stepped};
 
 mod store;
 pub mod tally;
+mod wire;
 
-use store::{call_keys, describe};
+use store::{call_key, call_keys, describe};
 use tally::{Rng, SimEnv, Tally};
+use wire::WireCall;
 
 /// Configurations a run picks from (each with `store_key_header`, through which the simulation
 /// learns every stream's store key).
@@ -130,6 +133,9 @@ pub struct World {
     /// The root's tick period the coordinator asked for (0: none).
     tick_ms: u64,
     in_flight: Vec<InFlight>,
+    /// Calls on the store streams, and the streams open now.
+    wire: Vec<WireCall>,
+    open_tokens: Vec<u32>,
     next_token: u32,
     store: HashMap<String, Stored>,
     granted: HashMap<String, Granted>,
@@ -159,7 +165,9 @@ fn pairs(list: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
 
 impl World {
     pub fn new(mut rng: Rng) -> World {
-        let json = CONFIGS[rng.below(CONFIGS.len() as u64) as usize];
+        let base = CONFIGS[rng.below(CONFIGS.len() as u64) as usize];
+        let transport = ["stream", "callout"][rng.below(2) as usize];
+        let json = base.replacen('{', &format!("{{\"store_transport\":\"{transport}\","), 1);
         let cfg = match Config::from_json(json.as_bytes()) {
             Ok(c) => Rc::new(c),
             Err(e) => unreachable!("the simulation's configurations are valid: {e}"),
@@ -176,6 +184,8 @@ impl World {
             queued_wakes: 0,
             tick_ms: 0,
             in_flight: Vec::new(),
+            wire: Vec::new(),
+            open_tokens: Vec::new(),
             next_token: 1,
             store: HashMap::new(),
             granted: HashMap::new(),
@@ -312,7 +322,7 @@ impl World {
         for _ in 0..10_000 {
             if self.queued_wakes > 0 {
                 self.queue_ready()?;
-            } else if !self.in_flight.is_empty() {
+            } else if !self.in_flight.is_empty() || !self.wire.is_empty() {
                 self.answer_one()?;
             } else if self.coord.is_waiting() && self.tick_ms > 0 {
                 self.clock.0.set(self.clock.0.get() + 50_000);
@@ -466,7 +476,13 @@ impl World {
         self.trace.push("queue ready".into());
         self.queued_wakes = 0;
         self.callback = Callback::Root;
-        self.scope = Scope::Keys(vec![]);
+        // On the store stream, a queued call fails at once while it backs off after failed
+        // opens: its key may conclude here.
+        let failing_fast = match self.cfg.store_transport {
+            StoreTransport::Stream => self.coord.queued().map(|c| c.key().to_string()).collect(),
+            StoreTransport::Callout => vec![],
+        };
+        self.scope = Scope::Keys(failing_fast);
         self.coord.on_queue_ready(&self.clock);
         self.commands()
     }
@@ -599,7 +615,11 @@ impl World {
             Command::Count(Metric::LocalReplays) => self.tally.local_replays += 1,
             Command::Count(Metric::HandedBack) => self.tally.handed_back += 1,
             Command::Tick { period_ms } => self.tick_ms = period_ms,
-            Command::Count(_) | Command::Add { .. } | Command::LocalRecords(_) | Command::Latency { .. } => {}
+            Command::Count(_)
+            | Command::Add { .. }
+            | Command::LocalRecords(_)
+            | Command::StreamCalls(_)
+            | Command::Latency { .. } => {}
             Command::Wake => {
                 if self.callback == Callback::Root {
                     return self.violation("a wake-up asked from a root callback".into());
@@ -626,6 +646,9 @@ impl World {
                     self.queued_wakes += 1;
                 }
             }
+            Command::OpenStream { .. } => self.open_stream()?,
+            Command::StreamSend { token, message } => self.stream_send(token, message)?,
+            Command::CancelStream { token } => self.cancel_stream(token)?,
             Command::Dispatch(call) => {
                 if self.callback != Callback::Root {
                     return self.violation(format!("a callout dispatched from a stream callback: {call:?}"));

@@ -35,11 +35,15 @@ pub(super) fn call_keys(call: &Dispatch) -> Vec<String> {
 impl World {
     /// Answers one callout in flight, chosen at random, sometimes with a fault.
     pub(super) fn answer_one(&mut self) -> Result<(), String> {
-        if self.in_flight.is_empty() {
+        let n = self.in_flight.len() + self.wire.len();
+        if n == 0 {
             return Ok(());
         }
-        let InFlight { token, call } =
-            self.in_flight.swap_remove(self.rng.below(self.in_flight.len() as u64) as usize);
+        let pick = self.rng.below(n as u64) as usize;
+        if pick >= self.in_flight.len() {
+            return self.answer_wire(pick - self.in_flight.len());
+        }
+        let InFlight { token, call } = self.in_flight.swap_remove(pick);
         // 0: processed, answered; 1: not processed, reset; 2: processed, answer timed out;
         // 3: processed, garbage answer.
         let fault = if self.rng.chance(self.fault_rate) { 1 + self.rng.below(3) } else { 0 };

@@ -35,6 +35,10 @@ pub struct Tally {
     pub kept_handed_back: u32,
     /// Retries answered `503` from a marker of a record this Envoy sent the store.
     pub withheld: u32,
+    /// Store streams opened (`store_transport: stream`).
+    pub streams_opened: u32,
+    /// Answers on the store stream after their call's deadline.
+    pub late_answers: u32,
 }
 
 impl Tally {
@@ -63,6 +67,8 @@ impl Tally {
             (&mut self.other_replica_records, o.other_replica_records),
             (&mut self.kept_handed_back, o.kept_handed_back),
             (&mut self.withheld, o.withheld),
+            (&mut self.streams_opened, o.streams_opened),
+            (&mut self.late_answers, o.late_answers),
         ];
         for (sum, n) in pairs {
             *sum += n;
@@ -93,6 +99,8 @@ impl Tally {
             self.handed_back,
             self.other_replica_records,
             self.withheld,
+            self.streams_opened,
+            self.late_answers,
         ]
         .iter()
         .all(|&v| v >= n)

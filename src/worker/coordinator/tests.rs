@@ -9,7 +9,7 @@ use idem_protocol as proto;
 const T0: u64 = 1_700_000_000_000_000;
 
 fn coordinator(extra: &str) -> Coordinator {
-    let json = format!(r#"{{"store_cluster":"idemstore"{extra}}}"#);
+    let json = format!(r#"{{"store_cluster":"idemstore","store_transport":"callout"{extra}}}"#);
     Coordinator::new(Rc::new(Config::from_json(json.as_bytes()).unwrap()))
 }
 
@@ -524,7 +524,7 @@ fn while_the_store_fails_duplicates_wait_for_the_local_lock_and_replay() {
 #[test]
 fn random_interleavings_keep_the_coordinator_invariants() {
     let mut seen = Tally::default();
-    for seed in 0..10_000u64 {
+    for seed in 0..16_000u64 {
         match World::run(Rng::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)), 60) {
             Ok(t) => seen.add(&t),
             Err(e) => panic!("seed {seed}: {e}"),
