@@ -3,7 +3,8 @@
 #   make build    the filter (wasm32-wasip1) and idemstore, release builds
 #   make test     every test: rustfmt check, unit, clippy (native and wasm), end to end (real Envoy
 #                 + Redis); brings what it needs (see below), so a fresh clone needs nothing else
-#   make e2e      the end-to-end suite alone: E2E_TESTS (tests) and PYTEST_ARGS (-q) narrow it, e.g.
+#   make e2e      the end-to-end suite alone (the contract, drill and replica suites twice: on the
+#                 store stream and on callouts); E2E_TESTS (tests) and PYTEST_ARGS (-q) narrow it, e.g.
 #                 make e2e E2E_TESTS=tests/contract/test_replay.py::test_first_executes_then_five_retries_replay
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
 #   make demo     the local stack plus a scripted story against it; exits 0 if every step behaved
@@ -239,10 +240,21 @@ clippy-native: clippy-component
 clippy-wasm: clippy-component wasm-target
 	$(CARGO) clippy -p idempotency-filter --target $(WASM_TARGET) --all-targets -- -D warnings
 
+# The whole suite runs on the filter's default store transport (the store stream); the contract,
+# drill and replica suites (E2E_CALLOUT_TESTS) run again on HTTP callouts
+# (IDEM_STORE_TRANSPORT=callout, see tests/support/harness.py), unless E2E_TESTS narrows the run.
+E2E_CALLOUT_TESTS ?= tests/contract tests/failures/test_drills.py tests/failures/test_replicas.py \
+  tests/failures/test_store_freeze.py
 e2e: build envoy venv redis promtool
 	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  REDIS_SERVER="$$($(REDIS_FIND))" $(IMAGE_TEST_ENV) \
 	  timeout --kill-after=10 900 "$(TEST_PYTHON)" -m pytest $(E2E_TESTS) $(PYTEST_ARGS)
+	if [ "$(E2E_TESTS)" = tests ]; then \
+	  echo "==> the contract, drill and replica suites on store_transport: callout"; \
+	  FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	    REDIS_SERVER="$$($(REDIS_FIND))" IDEM_STORE_TRANSPORT=callout \
+	    timeout --kill-after=10 600 "$(TEST_PYTHON)" -m pytest $(E2E_CALLOUT_TESTS) $(PYTEST_ARGS); \
+	fi
 
 ## ---- benchmarks ------------------------------------------------------------------------
 

@@ -159,7 +159,10 @@ class Stack:
         self.procs.append(self.upstream.proc)
 
         self.envoys: dict[str, h.Envoy] = {}
-        wasm = h.wasm_filter({"store_cluster": "idemstore"}, h.wasm_path())
+        # The default configuration; BENCH_FILTER_EXTRA (a JSON object) adds keys, for a paired
+        # run of one choice against another (e.g. {"store_transport": "callout"}).
+        extra = json.loads(os.environ.get("BENCH_FILTER_EXTRA") or "{}")
+        wasm = h.wasm_filter({"store_cluster": "idemstore", **extra}, h.wasm_path())
         # `skip`: the same filter wrapped as envoy/envoy.yaml ships it (behind the composite
         # matcher, Envoy does not create it for a request without an Idempotency-Key): measured
         # on pass-through only.
@@ -803,7 +806,9 @@ def throughput_section(summaries, rounds, duration, vers, started, load) -> str:
         "JSON itself (`direct_response`) after reading the body, at once or after 5 ms (fault filter),",
         "and idemstore on Redis. wrk (`bench/load.lua`) drives them alternately. **wrk, the three",
         "Envoys, idemstore and Redis share these 2 cores**: a ratio is what the filter's whole path",
-        "(VM, callouts, idemstore, Redis) costs the machine, not the filter Envoy alone.",
+        "(VM, store streams, idemstore, Redis) costs the machine, not the filter Envoy alone. The filter",
+        "runs as shipped: `store_transport: stream` (each worker's store calls as messages on its",
+        "store streams); `BENCH_FILTER_EXTRA='{\"store_transport\": \"callout\"}'` runs it on HTTP callouts.",
         "",
         *table(summaries, rounds, duration),
         "",
@@ -928,7 +933,8 @@ def peer_section(summaries: list[Summary], peer: dict) -> str:
 
 def goals_section(summaries: list[Summary], peer: dict | None, rtt: dict | None = None,
                   filter_lat: dict | None = None) -> str:
-    """The performance goals against this run's figures, and for each one missed where its time goes."""
+    """The performance goals (issue 26: the store stream) against this run's figures, and for
+    each one missed where its time goes."""
     by = {s.sc.name: s for s in summaries}
     rows = []
     misses = []
@@ -947,63 +953,79 @@ def goals_section(summaries: list[Summary], peer: dict | None, rtt: dict | None 
         added = {c: s.cpu_us["idem"][c] - s.cpu_us["plain"][c] for c in COMPONENTS}
         return ", ".join(f"{c} {added[c]:+.0f}" for c in sorted(COMPONENTS, key=lambda c: -added[c]))
 
-    def http_calls(s: Summary) -> float:
-        total = sum(s.store_per_rq.values())
-        return total - s.store_outcomes_per_rq.get("batched", 0) + s.store_outcomes_per_rq.get("batches", 0)
-
-    pt = by.get("passthrough")
-    goal("pass-through behind the composite matcher >= 0.95x", pt.skip["rps"] / pt.plain["rps"] if pt and pt.skip else None,
-         f"{pt.skip['rps'] / pt.plain['rps']:.2f}x" if pt and pt.skip else "", lambda x: x >= 0.95,
-         lambda: f"the VM is not entered, but the filter Envoy still spends {envoy_added_us(pt, 'skip'):+.0f} µs of CPU "
-                 "per request over the no-filter Envoy (the matcher reads two headers, the composite filter "
-                 "is a filter of every stream); a composite filter whose matcher never matches measured "
-                 "1.01x on the quick bench, so the rest is the matcher and this machine's noise "
-                 "(see Pass-through).")
     u = by.get("unique-1k")
-    goal("unique-1k >= 0.35x", u.ratio if u else None, f"{u.ratio:.2f}x" if u else "", lambda x: x >= 0.35,
-         lambda: f"every request costs {added_cpu_us(u):+.0f} µs of CPU on this 2-core machine, by process (µs): "
-                 f"{by_process(u)}; {http_calls(u):.2f} HTTP store calls per request (see Unique key, Profiles).")
     c1 = by.get("unique-1k-c1")
+    pt = by.get("passthrough")
+    ops = sum(u.store_per_rq.values()) if u else 0
+    envoy_why = (lambda: f"{envoy_added_us(u):+.0f} µs: {ops:.2f} store messages per request on the workers' "
+                         "streams, and the VM's own work on the request's path: its callbacks for the request and "
+                         "the response, copying the body in and the record out, SHA-256, the record, the local "
+                         "fallback's mirror writes to shared data (the filter in mint mode, which makes no store "
+                         f"call, costs {envoy_added_us(pt, 'mint') if pt and pt.mint else float('nan'):+.0f} µs "
+                         "on pass-through; see Profiles).")
+    goal("unique-1k >= 0.40x", u.ratio if u else None, f"{u.ratio:.2f}x" if u else "", lambda x: x >= 0.40,
+         lambda: f"every request costs {added_cpu_us(u):+.0f} µs of CPU on this 2-core machine, by process (µs): "
+                 f"{by_process(u)} (see Unique key, Profiles).")
+    goal("CPU per unique request, all processes <= +200 µs", added_cpu_us(u) if u else None,
+         f"{added_cpu_us(u):+.0f} µs" if u else "", lambda x: x <= 200, lambda: f"by process (µs): {by_process(u)}.")
+    env = envoy_added_us(u) if u else None
+    goal("Envoy CPU per unique request <= +110 µs", env, f"{env:+.0f} µs" if env is not None else "",
+         lambda x: x <= 110, envoy_why)
+    per_op = u.cpu_us["idem"]["idemstore"] / ops if u and ops else None
+    goal("idemstore CPU per store operation <= 25 µs", per_op, f"{per_op:.0f} µs" if per_op else "",
+         lambda x: x <= 25,
+         lambda: "each operation is a message read off the stream, a task, a Redis script call on the "
+                 "multiplexed connection and an answer written back; most of idemstore's samples are the "
+                 "kernel's (socket reads and writes, wake-ups) and h2/tokio (see Profiles).")
     add = c1.idem["p50"] - c1.plain["p50"] if c1 else None
     begin_p50 = (filter_lat or {}).get("begin", {}).get("50")
-    goal("added p50 on one connection <= 0.45 ms", add, f"+{add:.2f} ms" if add is not None else "", lambda x: x <= 0.45,
-         lambda: (f"the `begin` through Envoy's callout takes {begin_p50 / 1000:.2f} ms at p50 (the filter's histogram) "
+    goal("added p50 on one connection <= 0.35 ms", add, f"+{add:.2f} ms" if add is not None else "",
+         lambda x: x <= 0.35,
+         lambda: (f"the `begin` on the stream takes {begin_p50 / 1000:.2f} ms at p50 (the filter's histogram) "
                   if begin_p50 else "the `begin` is one store round trip ")
-                 + (f"and {rtt['p50']:.2f} ms straight to idemstore; " if rtt else "; ")
-                 + "the rest is the filter's own work on the request's path (buffering and hashing the body, the "
-                   "hop to the root context that sends the callout, resuming the request) (see Added latency).")
-    env = envoy_added_us(u) if u else None
-    goal("Envoy CPU per unique request <= +180 µs", env, f"{env:+.0f} µs" if env is not None else "", lambda x: x <= 180,
-         lambda: f"{http_calls(u):.2f} HTTP callouts per request (each a stream through Envoy's async client, "
-                 "router and HTTP/2 codec), the VM's callbacks for the request and the response, copying the body "
-                 "in and the record out, and the local fallback's mirror writes to shared data; Envoy's own code "
-                 "takes most samples, the VM's JIT code little (see Profiles).")
-    calls = sum(u.store_per_rq.values()) if u else 0
-    per_call = u.cpu_us["idem"]["idemstore"] / calls if u and calls else None
-    goal("idemstore CPU per store call (a commit sent in a batch counts as one) <= 50 µs", per_call, f"{per_call:.0f} µs" if per_call else "", lambda x: x <= 50)
+                 + (f"and {rtt['p50']:.2f} ms straight to idemstore over HTTP/1.1; " if rtt else "; ")
+                 + "the rest is the filter's own work on the request's path (buffering and hashing the body, "
+                   "resuming the request) (see Added latency).")
+    b = by.get("burst")
+    goal("burst (20 duplicates per key) >= 0.60x", b.ratio if b else None, f"{b.ratio:.2f}x" if b else "",
+         lambda x: x >= 0.60,
+         lambda: f"by process (µs): {by_process(b)}; most duplicates wait on the store for the original's "
+                 "commit and are replayed from its answer.")
+    # Not worse than before the store stream (the figures issue 26 was filed with).
+    for name, before in (("replay", 1.68), ("replay-5ms", 15.0), ("body-1m", 0.42)):
+        s = by.get(name)
+        goal(f"{name} not worse than {before:g}x", s.ratio if s else None, f"{s.ratio:.2f}x" if s else "",
+             lambda x, before=before: x >= before * 0.95,
+             lambda s=s: f"by process (µs): {by_process(s)}; this run's no-filter figure moves between runs on "
+                         "this shared 2-core machine.")
+    skip = pt.skip["rps"] / pt.plain["rps"] if pt and pt.skip else None
+    goal("pass-through (behind the composite matcher) not worse than 1.12x", skip,
+         f"{skip:.2f}x" if skip else "", lambda x: x >= 1.12 * 0.95,
+         lambda: f"the VM is not entered, but the filter Envoy spends {envoy_added_us(pt, 'skip'):+.0f} µs of CPU "
+                 "per request over the no-filter Envoy (the matcher reads two headers); a ratio above 1 is this "
+                 "machine's noise between two identical paths.")
     if peer:
         ps = {p["name"]: p for p in peer["scenarios"]}
-        for name, what in (("unique-1k-c1", "added p50 per unique request"), ("replay", "added p50 per replay")):
-            f, q = by.get(name), ps.get(name)
-            if f and q:
-                mine = f.idem["p50"] - f.plain["p50"]
-                goal(f"{what} below the peer's", mine, f"{mine:+.2f} ms vs {q['added_p50_ms']:+.2f} ms",
-                     lambda x, q=q: x < q["added_p50_ms"],
-                     lambda mine=mine: f"of the filter's {mine:+.2f} ms, the `begin` is one HTTP callout to "
-                                       "idemstore and its Redis script (see Added latency); the peer adds one Redis "
-                                       "round trip inside the app's process, and its figure on one connection "
-                                       "moves widely between runs on this machine.")
-        for name, what in (("unique-1k", "added CPU per unique request"), ("replay", "added CPU per replay")):
-            f, q = by.get(name), ps.get(name)
-            if f and q:
-                mine = added_cpu_us(f)
-                goal(f"{what} below the peer's", mine, f"{mine:+.0f} µs vs {q['added_cpu_us']['total']:+.0f} µs",
-                     lambda x, q=q: x < q["added_cpu_us"]["total"],
-                     lambda f=f: "the peer works inside the app's process with one Redis client; a request through "
-                                 "the filter crosses the filter Envoy's VM, an HTTP callout to idemstore and its Redis "
-                                 f"script, and back (by process, µs: {by_process(f)}). What that buys is in the "
-                                 "contract column: the peer ran burst keys and concurrent duplicates more than once.")
-    lines = ["## Goals", "", "The performance goals for this machine, against the figures of this run (sections below).", "",
+        f, q = by.get("unique-1k-c1"), ps.get("unique-1k-c1")
+        if f and q:
+            mine = f.idem["p50"] - f.plain["p50"]
+            goal("added p50 per unique request below the peer's", mine,
+                 f"{mine:+.2f} ms vs {q['added_p50_ms']:+.2f} ms", lambda x, q=q: x < q["added_p50_ms"],
+                 lambda mine=mine: f"of the filter's {mine:+.2f} ms, the `begin` is one message to idemstore and "
+                                   "its Redis script (see Added latency); the peer adds one Redis round trip inside "
+                                   "the app's process, and its figure on one connection moves widely between runs.")
+        f, q = by.get("unique-1k"), ps.get("unique-1k")
+        if f and q:
+            mine = added_cpu_us(f)
+            theirs = q["added_cpu_us"]["total"]
+            goal("CPU per unique request within 2x of the peer's", mine, f"{mine:+.0f} µs vs {theirs:+.0f} µs",
+                 lambda x, theirs=theirs: x <= 2 * theirs,
+                 lambda f=f: "the peer works inside the app's process with one Redis client; a request through the "
+                             "filter crosses the filter Envoy's VM, a message to idemstore and its Redis script, "
+                             f"and back (by process, µs: {by_process(f)}). What that buys is in the contract "
+                             "column: the peer ran burst keys and concurrent duplicates more than once.")
+    lines = ["## Goals", "", "The performance goals for this machine (issue 26, the store stream), against the "
+             "figures of this run (sections below).", "",
              "| goal | measured | |", "|---|---|---|", *rows, ""]
     if misses:
         lines += ["Where the time goes, for each goal missed:", "", *misses, ""]
@@ -1030,7 +1052,7 @@ def analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, r
         if filter_lat:
             lines += [
                 "The filter's own histograms (`idempotency.store_us.*`, one flush interval of a 7 s run on one",
-                "connection) put a store call, as the filter sees it through Envoy's HTTP/2 callout, at "
+                "connection) put a store call, as the filter sees it on its store stream, at "
                 + "; ".join(f"`{op}` p50 {q.get('50', 0) / 1000:.2f} ms, p99 {q.get('99', 0) / 1000:.2f} ms"
                             for op, q in filter_lat.items()) + ".",
                 "The `commit` is sent after the answer, but on one busy connection it overlaps the next",
@@ -1102,7 +1124,7 @@ def analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, r
             f"**1 MiB body.** {note(b)} through the filter vs without ({fmt_ratio(b.ratio)}); the filter Envoy spends "
             f"{added_s * 1000:.2f} ms more CPU per request,",
             "so everything it adds for a 1 MiB body (buffering, copying each chunk into the VM, SHA-256, the",
-            f"callouts) runs at {b.sc.size / max(1e-9, added_s) / 1e6:.0f} MB/s "
+            f"store calls, the record's commit on a callout above 64 KiB) runs at {b.sc.size / max(1e-9, added_s) / 1e6:.0f} MB/s "
             "per core: the in-VM SHA-256 alone is at least that fast.",
             "",
         ]
