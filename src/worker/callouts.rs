@@ -149,10 +149,16 @@ impl Callouts {
             if let Some(stream) = self.stream.as_mut().filter(|s| s.can_send()) {
                 job.sent_us = clock.now_us();
                 let now_ms = job.sent_us.map_or(0, |us| us / 1000);
-                return match stream.send(job, now_ms, false, out) {
+                let ended = match stream.send(job, now_ms, false, out) {
                     None => vec![],
                     Some(job) => vec![Ended::Failed(job, client::CalloutFault::Reset)],
                 };
+                // A stream that may reopen is opened by the root (see `StoreStream::open_due`).
+                if stream.wants_open(now_ms) && !self.wake_pending {
+                    self.wake_pending = true;
+                    out.push_back(Command::Wake);
+                }
+                return ended;
             }
         }
         self.outbox.push(job);
@@ -173,10 +179,13 @@ impl Callouts {
         self.wake_pending = false;
         let jobs = std::mem::take(&mut self.outbox);
         let mut ended = Vec::new();
+        let sent_us = clock.now_us();
+        if let Some(stream) = &mut self.stream {
+            stream.open_due(sent_us.map_or(0, |us| us / 1000), out);
+        }
         if jobs.is_empty() {
             return ended;
         }
-        let sent_us = clock.now_us();
         for mut job in jobs {
             if self.streams(&job) {
                 if let Some(stream) = &mut self.stream {

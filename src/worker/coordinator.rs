@@ -124,14 +124,14 @@ impl Coordinator {
     /// Prepares the shared data of the local fallback, before any request; `seed` is random
     /// per VM.
     pub fn set_up(&mut self, env: &dyn Env, seed: u64) {
-        self.callback = Callback::Root;
+        self.enter_root();
         self.path.set_up(env, seed);
         self.callouts.seed(seed);
     }
 
     /// The root's tick: waiters for a local lock look again, local records are handed back.
     pub fn on_tick(&mut self, env: &dyn Env) {
-        self.callback = Callback::Root;
+        self.enter_root();
         let streams = &self.streams;
         let tick = self.path.tick(env, |id| streams.get(&id).is_none_or(|e| e.gone));
         for (stream, outcome) in tick.due {
@@ -175,6 +175,14 @@ impl Coordinator {
         })
     }
 
+    /// A root callback begins.
+    fn enter_root(&mut self) {
+        self.callback = Callback::Root;
+        if let Some(stream) = self.callouts.stream() {
+            stream.new_callback();
+        }
+    }
+
     /// Hands a call to [`Callouts`], in the callback the coordinator is in.
     fn submit(&mut self, job: Job, env: &dyn Env) {
         let ended = self.callouts.submit(job, self.callback, env, &mut self.commands);
@@ -183,7 +191,7 @@ impl Coordinator {
 
     /// The host carried out a [`Command::OpenStream`]: `token` is Envoy's, `None` if it refused.
     pub fn on_stream_opened(&mut self, token: Option<u32>, env: &dyn Env) {
-        self.callback = Callback::Root;
+        self.enter_root();
         let now_ms = env.now_ms().unwrap_or(0);
         let Some(stream) = self.callouts.stream() else { return };
         let ended = stream.opened(token, now_ms, &mut self.commands);
@@ -195,7 +203,7 @@ impl Coordinator {
 
     /// A message came on the store stream `token`.
     pub fn on_stream_message(&mut self, token: u32, message: &[u8], env: &dyn Env) {
-        self.callback = Callback::Root;
+        self.enter_root();
         let now_ms = env.now_ms().unwrap_or(0);
         let Some(stream) = self.callouts.stream() else { return };
         let ended = stream.message(token, message, now_ms, &mut self.commands);
@@ -204,7 +212,7 @@ impl Coordinator {
 
     /// The store stream `token` closed, with this gRPC status.
     pub fn on_stream_closed(&mut self, token: u32, status: u32, env: &dyn Env) {
-        self.callback = Callback::Root;
+        self.enter_root();
         let now_ms = env.now_ms().unwrap_or(0);
         let Some(stream) = self.callouts.stream() else { return };
         let ended = stream.closed(token, status, now_ms, &mut self.commands);
@@ -337,7 +345,7 @@ impl Coordinator {
 
     /// The root's wake-up: dispatch everything queued.
     pub fn on_queue_ready(&mut self, env: &dyn Env) {
-        self.callback = Callback::Root;
+        self.enter_root();
         self.hop_wake = false;
         // Those of streams that went away meanwhile were dropped (`on_stream_done`).
         self.commands.extend(std::mem::take(&mut self.hops));
@@ -363,7 +371,7 @@ impl Coordinator {
 
     /// The host carried out a [`Command::Dispatch`]: `token` is Envoy's, `None` if it refused.
     pub fn on_dispatched(&mut self, job: u64, token: Option<u32>, env: &dyn Env) {
-        self.callback = Callback::Root;
+        self.enter_root();
         let Some(job) = self.callouts.dispatched(job, token, env, &mut self.commands) else { return };
         if matches!(job.call, Call::Batch(_)) {
             self.batch_answered(job, Err(CalloutFault::Dispatch), env);
@@ -393,7 +401,7 @@ impl Coordinator {
         trailers: Vec<(String, Vec<u8>)>,
         env: &dyn Env,
     ) {
-        self.callback = Callback::Root;
+        self.enter_root();
         let Some(job) = self.callouts.answered(token, env, &mut self.commands) else { return };
         let now_us = env.now_us();
         let answer = Answer { headers: &headers, body: &body };

@@ -89,6 +89,10 @@ pub struct StoreStream {
     /// Streams given up as silent: no new call goes there, the calls on them keep their own
     /// deadlines (a store that is only slow still answers them), then they are reset.
     draining: Vec<u32>,
+    /// A stream may still be opened in this root callback: at most one is. Envoy answers an open
+    /// that finds no healthy host inside the call, and a second such open in the same call into
+    /// the VM never returned (measured: the worker's VM stopped answering).
+    may_open: bool,
     rng: u64,
 }
 
@@ -105,8 +109,14 @@ impl StoreStream {
             next_id: 1,
             flights: HashMap::new(),
             draining: Vec::new(),
+            may_open: true,
             rng: seed | 1,
         }
+    }
+
+    /// A root callback begins: it may open one stream.
+    pub fn new_callback(&mut self) {
+        self.may_open = true;
     }
 
     /// A call can go at once, from any callback: a stream is open.
@@ -121,36 +131,63 @@ impl StoreStream {
         let n = self.lanes.len();
         let start = self.next_lane;
         self.next_lane = (start + 1) % n;
+        let may_open = self.may_open;
         let usable = |lane: &Lane| match lane.state {
             State::Open { .. } => true,
             State::Opening => root,
-            State::Closed { reopen_at_ms } => root && now_ms >= reopen_at_ms,
+            State::Closed { reopen_at_ms } => root && may_open && now_ms >= reopen_at_ms,
         };
         let Some(pick) = (0..n).map(|k| (start + k) % n).find(|&i| usable(&self.lanes[i])) else {
             return Some(job);
         };
+        if matches!(self.lanes[pick].state, State::Closed { .. }) && !self.open(pick, out) {
+            return Some(job);
+        }
         let id = self.next_id;
         self.next_id += 1;
         match self.lanes[pick].state {
             State::Open { token, .. } => self.transmit(token, id, job, now_ms, out),
-            State::Opening => self.lanes[pick].waiting.push((id, job)),
-            State::Closed { .. } => {
-                let Some(service) = wire::grpc_service(&self.cfg.store_cluster) else {
-                    log::warn!("cannot open the store stream: the store cluster's name is too long");
-                    return Some(job);
-                };
-                let lane = &mut self.lanes[pick];
-                lane.state = State::Opening;
-                lane.waiting.push((id, job));
-                self.opening.push_back(pick);
-                let mut metadata = Vec::new();
-                if let Some(secret) = &self.cfg.store_secret {
-                    metadata.push((idem_protocol::HEADER_SECRET.to_string(), secret.as_str().to_string()));
-                }
-                out.push_back(Command::OpenStream { service, metadata });
-            }
+            _ => self.lanes[pick].waiting.push((id, job)),
         }
         None
+    }
+
+    /// A stream is closed and may reopen now: the next root callback should open it
+    /// ([`Self::open_due`]), so that calls sent from stream callbacks, which only go on open
+    /// streams, spread over all of them again.
+    pub fn wants_open(&self, now_ms: u64) -> bool {
+        self.lanes.iter().any(|l| matches!(l.state, State::Closed { reopen_at_ms } if now_ms >= reopen_at_ms))
+    }
+
+    /// In a root callback: opens a closed stream that may reopen (one a callback), once the
+    /// worker has used its streams (an Envoy that guards nothing opens none).
+    pub fn open_due(&mut self, now_ms: u64, out: &mut VecDeque<Command>) {
+        if self.next_id == 1 {
+            return;
+        }
+        let due = (0..self.lanes.len()).find(
+            |&i| matches!(self.lanes[i].state, State::Closed { reopen_at_ms } if now_ms >= reopen_at_ms),
+        );
+        if let (Some(i), true) = (due, self.may_open) {
+            self.open(i, out);
+        }
+    }
+
+    /// Asks the host to open lane `i`'s stream; `false` if it cannot be named.
+    fn open(&mut self, i: usize, out: &mut VecDeque<Command>) -> bool {
+        self.may_open = false;
+        let Some(service) = wire::grpc_service(&self.cfg.store_cluster) else {
+            log::warn!("cannot open the store stream: the store cluster's name is too long");
+            return false;
+        };
+        self.lanes[i].state = State::Opening;
+        self.opening.push_back(i);
+        let mut metadata = Vec::new();
+        if let Some(secret) = &self.cfg.store_secret {
+            metadata.push((idem_protocol::HEADER_SECRET.to_string(), secret.as_str().to_string()));
+        }
+        out.push_back(Command::OpenStream { service, metadata });
+        true
     }
 
     fn transmit(&mut self, token: u32, id: u64, job: Job, now_ms: u64, out: &mut VecDeque<Command>) {
@@ -429,6 +466,7 @@ mod tests {
 
     /// Opens the stream as token `token` at `now` with one call; returns its id.
     fn open(s: &mut StoreStream, token: u32, now: u64, out: &mut VecDeque<Command>) -> u64 {
+        s.new_callback();
         assert!(s.send(begin("a"), now, true, out).is_none());
         assert!(matches!(out.pop_front(), Some(Command::OpenStream { .. })));
         assert!(s.opened(Some(token), now, out).is_empty());
@@ -439,7 +477,9 @@ mod tests {
     fn calls_wait_for_the_stream_to_open_and_answers_find_them_by_id_in_any_order() {
         let (mut s, mut out) = (stream(), VecDeque::new());
         assert!(s.send(begin("a"), 1000, false, &mut out).is_some(), "no stream outside the root");
+        s.new_callback();
         assert!(s.send(begin("a"), 1000, true, &mut out).is_none());
+        s.new_callback();
         assert!(s.send(begin("b"), 1000, true, &mut out).is_none());
         assert_eq!(out.iter().filter(|c| matches!(c, Command::OpenStream { .. })).count(), 1);
         out.clear();
@@ -459,6 +499,7 @@ mod tests {
     fn a_reset_fails_every_call_on_the_stream_and_the_next_opens_at_once_then_backs_off() {
         let (mut s, mut out) = (stream(), VecDeque::new());
         open(&mut s, 5, 1000, &mut out);
+        s.new_callback();
         s.send(begin("b"), 1000, true, &mut out);
         s.message(5, &locked(1), 1001, &mut out);
         out.clear();
@@ -471,8 +512,10 @@ mod tests {
         assert_eq!(faults(&s.closed(6, 14, 1003, &mut out)), [CalloutFault::Reset]);
         out.clear();
         // Now a backoff (12..=25 ms): calls fail at once meanwhile, as a refused callout does.
+        s.new_callback();
         assert!(s.send(begin("c"), 1003, true, &mut out).is_some());
         out.clear();
+        s.new_callback();
         assert!(s.send(begin("c"), 1003 + 25, true, &mut out).is_none());
         assert!(matches!(out.pop_front(), Some(Command::OpenStream { .. })));
         assert!(!faults(&s.opened(None, 1030, &mut out)).is_empty(), "a refused open fails its calls");
@@ -485,6 +528,7 @@ mod tests {
         let mut waits = Vec::new();
         for token in 1..12 {
             let mut t = now;
+            s.new_callback();
             while s.send(begin("a"), t, true, &mut out).is_some() {
                 t += 1;
             }
@@ -505,6 +549,7 @@ mod tests {
     fn a_silent_stream_takes_no_new_call_and_is_reset_once_its_calls_timed_out() {
         let (mut s, mut out) = (stream(), VecDeque::new());
         open(&mut s, 5, 1000, &mut out);
+        s.new_callback();
         s.send(begin("b"), 1500, true, &mut out);
         out.clear();
         assert!(s.sweep(1999, &mut out).is_empty(), "the begin's deadline is 700 + 300 ms");
@@ -513,6 +558,7 @@ mod tests {
         assert_eq!(faults(&s.sweep(2000, &mut out)), [CalloutFault::Timeout]);
         assert_eq!(out.drain(..).collect::<Vec<_>>(), [Command::Count(Metric::StoreStreamResets)]);
         // New calls open another stream.
+        s.new_callback();
         assert!(s.send(begin("c"), 2001, true, &mut out).is_none());
         assert!(matches!(out.pop_front(), Some(Command::OpenStream { .. })));
         s.opened(Some(6), 2001, &mut out);
@@ -528,6 +574,7 @@ mod tests {
     fn a_silent_streams_last_call_timing_out_resets_it() {
         let (mut s, mut out) = (stream(), VecDeque::new());
         open(&mut s, 5, 1000, &mut out);
+        s.new_callback();
         s.send(begin("b"), 1500, true, &mut out);
         s.sweep(2000, &mut out);
         out.clear();
@@ -540,7 +587,9 @@ mod tests {
     fn calls_take_the_streams_in_turn() {
         let cfg = Config::from_json(br#"{"store_cluster":"idemstore","store_streams":2}"#).unwrap();
         let (mut s, mut out) = (StoreStream::new(Rc::new(cfg), 1), VecDeque::new());
+        s.new_callback();
         s.send(begin("a"), 1000, true, &mut out);
+        s.new_callback();
         s.send(begin("b"), 1000, true, &mut out);
         assert_eq!(out.iter().filter(|c| matches!(c, Command::OpenStream { .. })).count(), 2);
         out.clear();
@@ -558,12 +607,34 @@ mod tests {
             s.send(begin(key), 1003, false, &mut out);
         }
         assert_eq!(sent(&mut out), [(7, 6), (7, 7)]);
+        // The root opens it again when asked (a stream callback asks for a wake-up): calls
+        // spread over both once more.
+        assert!(s.wants_open(1003));
+        s.new_callback();
+        s.open_due(1003, &mut out);
+        assert!(matches!(out.pop_front(), Some(Command::OpenStream { .. })));
+        s.opened(Some(9), 1003, &mut out);
+        assert!(!s.wants_open(1004));
+        for key in ["h", "i"] {
+            s.send(begin(key), 1004, false, &mut out);
+        }
+        let mut tokens: Vec<u32> = sent(&mut out).into_iter().map(|(t, _)| t).collect();
+        tokens.sort_unstable();
+        assert_eq!(tokens, [7, 9]);
+    }
+
+    #[test]
+    fn a_worker_that_never_called_the_store_opens_nothing() {
+        let (mut s, mut out) = (stream(), VecDeque::new());
+        s.open_due(1000, &mut out);
+        assert!(out.is_empty());
     }
 
     #[test]
     fn a_slow_call_on_a_stream_that_answers_others_only_times_out() {
         let (mut s, mut out) = (stream(), VecDeque::new());
         open(&mut s, 5, 1000, &mut out);
+        s.new_callback();
         s.send(begin("b"), 1100, true, &mut out);
         s.message(5, &locked(2), 1200, &mut out);
         out.clear();

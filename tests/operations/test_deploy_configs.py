@@ -14,6 +14,10 @@ container engine or a cluster.
   first in every virtual host the guard serves, the internal listener with the filter in
   `grpc_replay` mode (the guard's wasm file) and its cluster. envoy/grpc.yaml, the config for a
   gRPC service, has the settings its comments promise.
+* The store cluster (the filter's `store_cluster`) of every bootstrap is what the store stream
+  needs (docs/operations.md, "The store stream"): HTTP/2 with `connection_keepalive`,
+  `close_connections_on_host_health_failure` where it is health-checked, a name of at most 120
+  bytes; in Istio, the DestinationRule keeps TCP keepalive on idemstore's connections.
 * The Istio manifests (envoy/istio/*.yaml): documents well formed; the WasmPlugin's
   `pluginConfig` accepted by the filter, rendered the way Istio renders it (JSON in a
   StringValue, no `allow_on_headers_stop_iteration`, `vmConfig.env` as host_env_keys) with the
@@ -292,6 +296,82 @@ def test_mint_only_bootstrap_has_no_replay_hop():
     assert [plugin_config(w).get("mode") for ln in doc["static_resources"]["listeners"]
             for hcm in hcms(ln) for w in wasm_filters(hcm)] == ["mint"]
     assert h.REPLAY_NAME not in (ENVOY_DIR / "mesh" / "client.yaml").read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# the store cluster: what the store stream needs
+# --------------------------------------------------------------------------------------------
+
+HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+# The longest store_cluster the filter takes with `store_transport: stream` (bytes).
+STREAM_CLUSTER_NAME_MAX = 120
+
+
+def store_clusters(doc: dict) -> dict[str, dict]:
+    """The clusters a bootstrap's filter names as its `store_cluster` (mint mode names none)."""
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    names = {c["store_cluster"] for c in plugin_configs(doc) if "store_cluster" in c}
+    assert names <= set(clusters), f"store_cluster names no cluster: {sorted(names - set(clusters))}"
+    return {n: clusters[n] for n in sorted(names)}
+
+
+def store_stream_problems(cluster: dict) -> list[str]:
+    """What a store cluster lacks for the store stream: HTTP/2 (the stream is gRPC), HTTP/2
+    pings (`connection_keepalive`, a store gone quiet on an idle connection), and, when Envoy
+    health-checks it, `close_connections_on_host_health_failure` (the streams leave an
+    idemstore that fails its check; without it they stay on it)."""
+    problems = []
+    if len(cluster["name"].encode()) > STREAM_CLUSTER_NAME_MAX:
+        problems.append(f"name over {STREAM_CLUSTER_NAME_MAX} bytes")
+    opts = cluster.get("typed_extension_protocol_options", {}).get(HTTP_OPTIONS, {})
+    h2 = opts.get("explicit_http_config", {}).get("http2_protocol_options")
+    if h2 is None:
+        problems.append("not HTTP/2 (explicit_http_config.http2_protocol_options)")
+    else:
+        keepalive = h2.get("connection_keepalive") or {}
+        if not (keepalive.get("interval") and keepalive.get("timeout")):
+            problems.append("no http2_protocol_options.connection_keepalive {interval, timeout}")
+    if cluster.get("health_checks") and cluster.get("close_connections_on_host_health_failure") is not True:
+        problems.append("health-checked without close_connections_on_host_health_failure: true")
+    return problems
+
+
+STORE_BOOTSTRAPS = [p for p in BOOTSTRAPS if store_clusters(load_docs(p)[0])]
+
+
+def test_the_store_bootstraps_are_known():
+    """The bootstraps with a store cluster are the guarding ones (the next test covers each)."""
+    assert {rel(p) for p in STORE_BOOTSTRAPS} == GUARDING
+
+
+@pytest.mark.parametrize("path", STORE_BOOTSTRAPS, ids=rel)
+def test_store_cluster_carries_the_store_stream(path):
+    """The cluster each filter names as `store_cluster` is declared as envoy/envoy.yaml's
+    idemstore cluster is, for the store stream (`store_transport: stream`, the default):
+    HTTP/2 with `connection_keepalive`, and `close_connections_on_host_health_failure: true`
+    since it has health checks. Validation (above) shows Envoy accepts them."""
+    for name, cluster in store_clusters(load_docs(path)[0]).items():
+        assert store_stream_problems(cluster) == [], f"{rel(path)}: cluster {name}"
+
+
+def test_store_stream_check_bites():
+    """The check above on envoy/envoy.yaml's idemstore cluster passes, and fails when one
+    requirement is taken away."""
+    [shipped] = store_clusters(load_docs(ENVOY_DIR / "envoy.yaml")[0]).values()
+    assert shipped.get("health_checks") and store_stream_problems(shipped) == []
+
+    def without(edit) -> list[str]:
+        c = json.loads(json.dumps(shipped))
+        edit(c)
+        return store_stream_problems(c)
+
+    def http(c: dict) -> dict:
+        return c["typed_extension_protocol_options"][HTTP_OPTIONS]["explicit_http_config"]
+
+    assert without(lambda c: http(c)["http2_protocol_options"].pop("connection_keepalive"))
+    assert without(lambda c: http(c).pop("http2_protocol_options"))
+    assert without(lambda c: c.pop("close_connections_on_host_health_failure"))
+    assert without(lambda c: c.update(name="c" * (STREAM_CLUSTER_NAME_MAX + 1)))
 
 
 def test_grpc_example():
@@ -605,6 +685,21 @@ def test_secret_copies_agree(istio):
     store_ns = one(istio["store"], "Deployment", "idemstore")["metadata"]["namespace"]
     assert {plugin_ns, store_ns} <= set(by_ns), sorted(by_ns)
     assert by_ns[plugin_ns]["stringData"] == by_ns[store_ns]["stringData"]
+
+
+def test_istio_store_cluster_for_the_store_stream(istio):
+    """Every WasmPlugin that calls the store names a cluster of at most 120 bytes (the store
+    stream's limit), and idemstore's DestinationRule keeps TCP keepalive on the connections that
+    carry the streams: Istio has no field for the HTTP/2 pings the Envoy configs set."""
+    plugins = [d for d in find(istio["all"], "WasmPlugin") if "store_cluster" in d["spec"].get("pluginConfig", {})]
+    assert plugins
+    for plugin in plugins:
+        name = plugin["spec"]["pluginConfig"]["store_cluster"]
+        assert len(name.encode()) <= STREAM_CLUSTER_NAME_MAX, name
+    host, _, _ = service_fqdn_port(istio["plugin"]["spec"]["pluginConfig"]["store_cluster"])
+    [rule] = [d for d in find(istio["store"], "DestinationRule") if d["spec"]["host"] == host]
+    keepalive = rule["spec"]["trafficPolicy"]["connectionPool"]["tcp"]["tcpKeepalive"]
+    assert keepalive.get("time") and keepalive.get("interval") and keepalive.get("probes"), keepalive
 
 
 # The second hop of gRPC replays in the sidecars (envoyfilter-grpc-replay.yaml).
