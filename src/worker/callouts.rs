@@ -151,7 +151,9 @@ impl Callouts {
                 let now_ms = job.sent_us.map_or(0, |us| us / 1000);
                 let ended = match stream.send(job, now_ms, false, out) {
                     None => vec![],
-                    Some(job) => vec![Ended::Failed(job, client::CalloutFault::Reset)],
+                    Some(job) => {
+                        vec![Ended::Failed(Job { sent_us: None, ..job }, client::CalloutFault::Reset)]
+                    }
                 };
                 // A stream that may reopen is opened by the root (see `StoreStream::open_due`).
                 if stream.wants_open(now_ms) && !self.wake_pending {
@@ -192,7 +194,8 @@ impl Callouts {
                     job.sent_us = sent_us;
                     let now_ms = sent_us.map_or(0, |us| us / 1000);
                     if let Some(job) = stream.send(job, now_ms, true, out) {
-                        ended.push(Ended::Failed(job, client::CalloutFault::Reset));
+                        // Not sent: no latency to record.
+                        ended.push(Ended::Failed(Job { sent_us: None, ..job }, client::CalloutFault::Reset));
                     }
                 }
             } else if self.batching && job.batchable() && self.commit_flights > 0 {

@@ -232,6 +232,14 @@ impl Coordinator {
         for end in ended {
             match end {
                 Ended::Failed(job, fault) => {
+                    // As a callout's: the time to its failure, if it went out at all.
+                    if let (Call::Store(call), Some(sent), Some(now)) = (&job.call, job.sent_us, env.now_us())
+                    {
+                        self.commands.push_back(Command::Latency {
+                            kind: call.kind(),
+                            micros: now.saturating_sub(sent),
+                        });
+                    }
                     let outcome = Answered::fault(&job.call, fault);
                     self.finish(job, outcome, env);
                 }

@@ -18,7 +18,7 @@
 //!   call on it fails.
 //!
 //! After a stream failed, the next opens at once; if that one fails before anything was heard
-//! on it, the one after waits a backoff (doubling, with jitter), and calls meanwhile fail at
+//! on it, the one after waits a backoff (doubling up to half a second, with jitter), and calls meanwhile fail at
 //! once as a refused callout does. An answer after its call's deadline, or on a replaced
 //! stream, is dropped: its call has already ended.
 
@@ -37,7 +37,7 @@ pub const SWEEP_MS: u64 = 50;
 /// The backoff after the first failed reopen, doubled after each, up to [`MAX_BACKOFF_MS`]; each
 /// wait is drawn between half and all of it.
 const FIRST_BACKOFF_MS: u64 = 25;
-const MAX_BACKOFF_MS: u64 = 1000;
+const MAX_BACKOFF_MS: u64 = 500;
 /// The gRPC status of a refused secret.
 const UNAUTHENTICATED: u32 = 16;
 
@@ -215,7 +215,10 @@ impl StoreStream {
             None => {
                 log::warn!("cannot open the store stream to {}", self.cfg.store_cluster);
                 self.back_off(i, now_ms);
-                waiting.into_iter().map(|(_, job)| Ended::Failed(job, CalloutFault::Dispatch)).collect()
+                waiting
+                    .into_iter()
+                    .map(|(_, job)| Ended::Failed(Job { sent_us: None, ..job }, CalloutFault::Dispatch))
+                    .collect()
             }
         }
     }
@@ -384,9 +387,11 @@ impl StoreStream {
         self.rng
     }
 
-    /// The tick this stream needs: deadlines to sweep.
+    /// The tick this stream needs: deadlines to sweep while calls are in flight. It keeps
+    /// running while a stream is open, rather than being set and cleared around every call
+    /// (on a quiet worker that was two timer changes per call).
     pub fn tick_ms(&self) -> u64 {
-        if self.flights.is_empty() {
+        if self.flights.is_empty() && !self.can_send() {
             0
         } else {
             SWEEP_MS
@@ -522,7 +527,7 @@ mod tests {
     }
 
     #[test]
-    fn backoff_doubles_up_to_a_second_with_jitter() {
+    fn backoff_doubles_up_to_half_a_second_with_jitter() {
         let (mut s, mut out) = (stream(), VecDeque::new());
         let mut now = 1_000_000;
         let mut waits = Vec::new();
@@ -540,7 +545,7 @@ mod tests {
         }
         assert_eq!(waits[..2], [0, 0], "{waits:?}");
         for (i, w) in waits.iter().enumerate().skip(2) {
-            let full = (25u64 << (i - 2)).min(1000);
+            let full = (25u64 << (i - 2)).min(500);
             assert!((full / 2..=full).contains(w), "wait {i}: {w} ms, {waits:?}");
         }
     }
