@@ -230,6 +230,31 @@ pub enum BeginAnswer {
     Withheld,
 }
 
+/// What a store call's answer says, however it came: an HTTP callout's ([`Answer`]) or a message
+/// on the store stream (`store::stream::Answered`). Each reads strictly, to a [`CalloutFault`].
+pub trait StoreAnswer {
+    fn begin(&self) -> Result<BeginAnswer, CalloutFault>;
+    /// How long a `record` answer's record still lives in the store, when it says.
+    fn record_ttl_ms(&self) -> Option<u64>;
+    fn commit(&self) -> Result<CommitOutcome, CalloutFault>;
+    fn release(&self) -> Result<ReleaseOutcome, CalloutFault>;
+}
+
+impl StoreAnswer for Answer<'_> {
+    fn begin(&self) -> Result<BeginAnswer, CalloutFault> {
+        Answer::begin(self)
+    }
+    fn record_ttl_ms(&self) -> Option<u64> {
+        Answer::record_ttl_ms(self)
+    }
+    fn commit(&self) -> Result<CommitOutcome, CalloutFault> {
+        Answer::commit(self)
+    }
+    fn release(&self) -> Result<ReleaseOutcome, CalloutFault> {
+        Answer::release(self)
+    }
+}
+
 /// A store answer as the host received it.
 pub struct Answer<'a> {
     pub headers: &'a [(String, Vec<u8>)],

@@ -8,7 +8,7 @@ use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
 use prost::Message;
 
 use crate::config::Config;
-use crate::store::client::{BeginAnswer, CalloutFault, LockToken, StoreCall};
+use crate::store::client::{BeginAnswer, CalloutFault, LockToken, StoreAnswer, StoreCall};
 use crate::store::record::Record;
 
 /// A commit whose record is larger than this goes as an HTTP callout, not on the stream: the
@@ -157,6 +157,21 @@ impl Answered {
             }
             _ => Err(CalloutFault::Garbage("not a release answer")),
         }
+    }
+}
+
+impl StoreAnswer for Answered {
+    fn begin(&self) -> Result<BeginAnswer, CalloutFault> {
+        Answered::begin(self)
+    }
+    fn record_ttl_ms(&self) -> Option<u64> {
+        Answered::record_ttl_ms(self)
+    }
+    fn commit(&self) -> Result<CommitOutcome, CalloutFault> {
+        Answered::commit(self)
+    }
+    fn release(&self) -> Result<ReleaseOutcome, CalloutFault> {
+        Answered::release(self)
     }
 }
 

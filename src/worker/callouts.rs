@@ -79,6 +79,21 @@ impl Job {
     }
 }
 
+/// Sends `job` on the store stream at `sent_us` (`root`: from a root callback). One the stream
+/// gives back (no stream can take it now) ends as a refused callout does, unsent: no latency.
+fn send_on_stream(
+    stream: &mut StoreStream,
+    mut job: Job,
+    sent_us: Option<u64>,
+    root: bool,
+    out: &mut VecDeque<Command>,
+) -> Option<Ended> {
+    job.sent_us = sent_us;
+    stream
+        .send(job, sent_us.map_or(0, |us| us / 1000), root, out)
+        .map(|job| Ended::Failed(Job { sent_us: None, ..job }, client::CalloutFault::Reset))
+}
+
 /// The store key as log lines show it: its first 12 hex digits.
 pub fn key_prefix(key: &str) -> &str {
     key.get(..12).unwrap_or(key)
@@ -140,23 +155,17 @@ impl Callouts {
     /// wake-up. Returns the calls that ended without leaving (the store stream backs off).
     pub fn submit(
         &mut self,
-        mut job: Job,
+        job: Job,
         callback: Callback,
         clock: &dyn Clock,
         out: &mut VecDeque<Command>,
     ) -> Vec<Ended> {
         if callback == Callback::Stream && self.streams(&job) {
             if let Some(stream) = self.stream.as_mut().filter(|s| s.can_send()) {
-                job.sent_us = clock.now_us();
-                let now_ms = job.sent_us.map_or(0, |us| us / 1000);
-                let ended = match stream.send(job, now_ms, false, out) {
-                    None => vec![],
-                    Some(job) => {
-                        vec![Ended::Failed(Job { sent_us: None, ..job }, client::CalloutFault::Reset)]
-                    }
-                };
+                let sent_us = clock.now_us();
+                let ended = send_on_stream(stream, job, sent_us, false, out).into_iter().collect();
                 // A stream that may reopen is opened by the root (see `StoreStream::open_due`).
-                if stream.wants_open(now_ms) && !self.wake_pending {
+                if stream.wants_open(sent_us.map_or(0, |us| us / 1000)) && !self.wake_pending {
                     self.wake_pending = true;
                     out.push_back(Command::Wake);
                 }
@@ -188,15 +197,10 @@ impl Callouts {
         if jobs.is_empty() {
             return ended;
         }
-        for mut job in jobs {
+        for job in jobs {
             if self.streams(&job) {
                 if let Some(stream) = &mut self.stream {
-                    job.sent_us = sent_us;
-                    let now_ms = sent_us.map_or(0, |us| us / 1000);
-                    if let Some(job) = stream.send(job, now_ms, true, out) {
-                        // Not sent: no latency to record.
-                        ended.push(Ended::Failed(Job { sent_us: None, ..job }, client::CalloutFault::Reset));
-                    }
+                    ended.extend(send_on_stream(stream, job, sent_us, true, out));
                 }
             } else if self.batching && job.batchable() && self.commit_flights > 0 {
                 self.held.push(job);

@@ -24,13 +24,13 @@ use crate::request::detached::UpstreamAnswer;
 use crate::request::machine::{Action, Effect, Machine, Step, StreamView};
 use crate::request::metrics::Metric;
 use crate::request::problem;
-use crate::store::client::{Answer, BeginAnswer, CallKind, CalloutFault, StoreCall};
+use crate::store::client::{Answer, BeginAnswer, CallKind, CalloutFault, StoreAnswer, StoreCall};
 use crate::worker::callouts::{key_prefix, Call, Callback, Callouts, Job};
 use crate::worker::command::Command;
 use crate::worker::env::Env;
 use crate::worker::fallback::LocalAnswer;
 use crate::worker::store_path::{Presence, Routed, StorePath};
-use crate::worker::store_stream::Ended;
+use crate::worker::store_stream::{Ended, StoreStream};
 
 /// What a stream callback returns to Envoy, and whether the stream's later callbacks can skip
 /// the coordinator (the machine is done with it).
@@ -192,90 +192,94 @@ impl Coordinator {
     /// The host carried out a [`Command::OpenStream`]: `token` is Envoy's, `None` if it refused.
     pub fn on_stream_opened(&mut self, token: Option<u32>, env: &dyn Env) {
         self.enter_root();
-        let now_ms = env.now_ms().unwrap_or(0);
-        let Some(stream) = self.callouts.stream() else { return };
-        let ended = stream.opened(token, now_ms, &mut self.commands);
-        if token.is_some() {
-            self.commands.push_back(Command::Count(Metric::StoreStreamsOpened));
-        }
-        self.stream_ended(ended, env);
+        self.on_store_stream(env, |stream, now_ms, out| {
+            let ended = stream.opened(token, now_ms, out);
+            if token.is_some() {
+                out.push_back(Command::Count(Metric::StoreStreamsOpened));
+            }
+            ended
+        });
     }
 
     /// A message came on the store stream `token`.
     pub fn on_stream_message(&mut self, token: u32, message: &[u8], env: &dyn Env) {
         self.enter_root();
-        let now_ms = env.now_ms().unwrap_or(0);
-        let Some(stream) = self.callouts.stream() else { return };
-        let ended = stream.message(token, message, now_ms, &mut self.commands);
-        self.stream_ended(ended, env);
+        self.on_store_stream(env, |stream, now_ms, out| stream.message(token, message, now_ms, out));
     }
 
     /// The store stream `token` closed, with this gRPC status.
     pub fn on_stream_closed(&mut self, token: u32, status: u32, env: &dyn Env) {
         self.enter_root();
-        let now_ms = env.now_ms().unwrap_or(0);
-        let Some(stream) = self.callouts.stream() else { return };
-        let ended = stream.closed(token, status, now_ms, &mut self.commands);
-        self.stream_ended(ended, env);
+        self.on_store_stream(env, |stream, now_ms, out| stream.closed(token, status, now_ms, out));
     }
 
     /// A [`Command::StreamSend`] on the store stream `token` failed.
     pub fn on_stream_send_failed(&mut self, token: u32, env: &dyn Env) {
+        self.on_store_stream(env, |stream, now_ms, out| stream.send_failed(token, now_ms, out));
+    }
+
+    /// An event of the store stream, then what it ended.
+    fn on_store_stream(
+        &mut self,
+        env: &dyn Env,
+        event: impl FnOnce(&mut StoreStream, u64, &mut VecDeque<Command>) -> Vec<Ended>,
+    ) {
         let now_ms = env.now_ms().unwrap_or(0);
         let Some(stream) = self.callouts.stream() else { return };
-        let ended = stream.send_failed(token, now_ms, &mut self.commands);
+        let ended = event(stream, now_ms, &mut self.commands);
         self.stream_ended(ended, env);
     }
 
     /// Calls on the store stream ended: each as its callout's answer or fault would have.
     fn stream_ended(&mut self, ended: Vec<Ended>, env: &dyn Env) {
+        let now_us = env.now_us();
         for end in ended {
-            match end {
+            let (Ended::Failed(job, _) | Ended::Answered(job, _)) = &end;
+            // As a callout's: the time to its end, if it went out at all.
+            if let Call::Store(call) = &job.call {
+                self.latency(call.kind(), job.sent_us, now_us);
+            }
+            let (job, outcome) = match end {
                 Ended::Failed(job, fault) => {
-                    // As a callout's: the time to its failure, if it went out at all.
-                    if let (Call::Store(call), Some(sent), Some(now)) = (&job.call, job.sent_us, env.now_us())
-                    {
-                        self.commands.push_back(Command::Latency {
-                            kind: call.kind(),
-                            micros: now.saturating_sub(sent),
-                        });
-                    }
                     let outcome = Answered::fault(&job.call, fault);
-                    self.finish(job, outcome, env);
+                    (job, outcome)
                 }
                 Ended::Answered(job, answer) => {
-                    let now_us = env.now_us();
-                    if let (Call::Store(call), Some(sent), Some(now)) = (&job.call, job.sent_us, now_us) {
-                        self.commands.push_back(Command::Latency {
-                            kind: call.kind(),
-                            micros: now.saturating_sub(sent),
-                        });
-                    }
-                    let outcome = match &job.call {
-                        Call::Store(StoreCall::Begin { key, body_hash }) => {
-                            let begun = answer.begin();
-                            if let Ok(BeginAnswer::Replay(record)) = &begun {
-                                self.path.remember(
-                                    key,
-                                    body_hash,
-                                    record,
-                                    answer.record_ttl_ms(),
-                                    job.sent_us,
-                                    now_us,
-                                );
-                            }
-                            Answered::Begin(begun)
-                        }
-                        Call::Store(StoreCall::Commit { .. }) => Answered::Commit(answer.commit()),
-                        Call::Store(StoreCall::Release { .. }) => {
-                            Answered::Release(answer.release().map(|_| ()))
-                        }
-                        // Only store calls go on the stream.
-                        Call::Batch(_) | Call::Upstream(_) => continue,
-                    };
-                    self.finish(job, outcome, env);
+                    // Only store calls go on the stream.
+                    let Call::Store(call) = &job.call else { continue };
+                    let outcome = self.store_answered(call, &answer, job.sent_us, now_us);
+                    (job, outcome)
                 }
+            };
+            self.finish(job, outcome, env);
+        }
+    }
+
+    /// A store call's answer, read as its call's; a replayed record is remembered for the cache.
+    fn store_answered(
+        &mut self,
+        call: &StoreCall,
+        answer: &dyn StoreAnswer,
+        sent_us: Option<u64>,
+        now_us: Option<u64>,
+    ) -> Answered {
+        match call {
+            StoreCall::Begin { key, body_hash } => {
+                let begun = answer.begin();
+                if let Ok(BeginAnswer::Replay(record)) = &begun {
+                    self.path.remember(key, body_hash, record, answer.record_ttl_ms(), sent_us, now_us);
+                }
+                Answered::Begin(begun)
             }
+            StoreCall::Commit { .. } => Answered::Commit(answer.commit()),
+            StoreCall::Release { .. } => Answered::Release(answer.release().map(|_| ())),
+        }
+    }
+
+    /// A store call's latency, for its histogram, if it was sent and the clock can tell.
+    fn latency(&mut self, kind: CallKind, sent_us: Option<u64>, now_us: Option<u64>) {
+        if let (Some(sent), Some(now)) = (sent_us, now_us) {
+            self.commands.push_back(Command::Latency { kind, micros: now.saturating_sub(sent) });
         }
     }
 
@@ -418,8 +422,8 @@ impl Coordinator {
             Call::Batch(_) => Some(CallKind::Commit),
             Call::Upstream(_) => None,
         };
-        if let (Some(kind), Some(sent), Some(now)) = (kind, job.sent_us, now_us) {
-            self.commands.push_back(Command::Latency { kind, micros: now.saturating_sub(sent) });
+        if let Some(kind) = kind {
+            self.latency(kind, job.sent_us, now_us);
         }
         let outcome = match &job.call {
             Call::Batch(items) => {
@@ -427,15 +431,7 @@ impl Coordinator {
                 self.batch_answered(job, answer, env);
                 return;
             }
-            Call::Store(StoreCall::Begin { key, body_hash }) => {
-                let begun = answer.begin();
-                if let Ok(BeginAnswer::Replay(record)) = &begun {
-                    self.path.remember(key, body_hash, record, answer.record_ttl_ms(), job.sent_us, now_us);
-                }
-                Answered::Begin(begun)
-            }
-            Call::Store(StoreCall::Commit { .. }) => Answered::Commit(answer.commit()),
-            Call::Store(StoreCall::Release { .. }) => Answered::Release(answer.release().map(|_| ())),
+            Call::Store(call) => self.store_answered(call, &answer, job.sent_us, now_us),
             Call::Upstream(_) => Answered::Upstream(
                 UpstreamAnswer::decode(headers, body).map(|a| UpstreamAnswer { trailers, ..a }),
             ),

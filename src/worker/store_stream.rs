@@ -63,6 +63,13 @@ struct Lane {
     waiting: Vec<(u64, Job)>,
 }
 
+impl Lane {
+    /// Closed, and may open again at `now_ms`.
+    fn may_reopen(&self, now_ms: u64) -> bool {
+        matches!(self.state, State::Closed { reopen_at_ms } if now_ms >= reopen_at_ms)
+    }
+}
+
 struct Flight {
     job: Job,
     /// The stream it went on.
@@ -135,7 +142,7 @@ impl StoreStream {
         let usable = |lane: &Lane| match lane.state {
             State::Open { .. } => true,
             State::Opening => root,
-            State::Closed { reopen_at_ms } => root && may_open && now_ms >= reopen_at_ms,
+            State::Closed { .. } => root && may_open && lane.may_reopen(now_ms),
         };
         let Some(pick) = (0..n).map(|k| (start + k) % n).find(|&i| usable(&self.lanes[i])) else {
             return Some(job);
@@ -156,7 +163,7 @@ impl StoreStream {
     /// ([`Self::open_due`]), so that calls sent from stream callbacks, which only go on open
     /// streams, spread over all of them again.
     pub fn wants_open(&self, now_ms: u64) -> bool {
-        self.lanes.iter().any(|l| matches!(l.state, State::Closed { reopen_at_ms } if now_ms >= reopen_at_ms))
+        self.lanes.iter().any(|l| l.may_reopen(now_ms))
     }
 
     /// In a root callback: opens a closed stream that may reopen (one a callback), once the
@@ -165,9 +172,7 @@ impl StoreStream {
         if self.next_id == 1 {
             return;
         }
-        let due = (0..self.lanes.len()).find(
-            |&i| matches!(self.lanes[i].state, State::Closed { reopen_at_ms } if now_ms >= reopen_at_ms),
-        );
+        let due = self.lanes.iter().position(|l| l.may_reopen(now_ms));
         if let (Some(i), true) = (due, self.may_open) {
             self.open(i, out);
         }
