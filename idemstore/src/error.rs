@@ -57,7 +57,7 @@ impl IntoResponse for Error {
             Self::BadRequest(why) => (StatusCode::BAD_REQUEST, why).into_response(),
             Self::Body(e) => e.into_response(),
             Self::Backend(e) => {
-                tracing::warn!(error = %e, "store operation failed");
+                e.log("store operation");
                 (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response()
             }
         }

@@ -458,7 +458,7 @@ async fn commits<B: Backend>(
                 }
                 Err(e) => {
                     timer.failed(&e);
-                    tracing::warn!(error = %e, item = i, "store operation failed (batched commit)");
+                    e.log(&format!("store operation (batched commit, item {i})"));
                     None
                 }
             }
@@ -522,7 +522,7 @@ async fn health<B: Backend>(State(store): State<Arc<Store<B>>>) -> Response {
     match store.health().await {
         Ok(()) => (StatusCode::OK, "ok").into_response(),
         Err(e) => {
-            tracing::warn!(error = %e, "health check failed");
+            e.log("health check");
             (StatusCode::SERVICE_UNAVAILABLE, "unavailable").into_response()
         }
     }

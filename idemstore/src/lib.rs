@@ -11,14 +11,15 @@
 //! | [`error`] | what a route answers when it fails, and the count of refusals | `store`, `metrics`, `backend` |
 //! | [`store`] | the protocol's operations over a backend, with the `begin` long-poll | `backend`, `metrics`, `waiters` |
 //! | [`metrics`] | the Prometheus metrics of one instance | `backend` |
-//! | [`backend`] | the [`backend::Backend`] interface and its implementations: [`backend::memory`], [`backend::redis`] with [`backend::pubsub`] | `waiters` |
+//! | [`backend`] | the [`backend::Backend`] interface and its implementations: [`backend::memory`], [`backend::redis`] with [`backend::pubsub`] and [`backend::sentinel`]; how Redis is reached ([`backend::access`]: TLS, credentials, key prefix) | `waiters` |
 //! | [`waiters`] | per-key wake-ups for `begin` calls waiting on a held lock | nothing |
 //! | [`secret`] | the shared secret: its form, its file, constant-time comparison | nothing |
+//! | [`tls`] | the listener over TLS: certificates, client certificates, reloads | nothing |
 //!
 //! Each module uses only modules below it in this table: the uses go one way, with no circle
-//! (in [`backend`], `redis` uses `pubsub`, and both implementations use the interface in
-//! `backend` itself, which uses none of them). The binary (`main.rs`) uses `http`, `tools`,
-//! `store`, `backend` and `secret`.
+//! (in [`backend`], `redis` uses `pubsub`, `sentinel` and `access`, `pubsub` uses `sentinel`,
+//! and both implementations use the interface in `backend` itself, which uses none of them).
+//! The binary (`main.rs`) uses `http`, `tools`, `store`, `backend`, `secret` and `tls`.
 
 pub mod admin;
 pub mod backend;
@@ -28,5 +29,6 @@ pub mod metrics;
 pub mod secret;
 pub mod store;
 pub mod stream;
+pub mod tls;
 pub mod tools;
 pub mod waiters;

@@ -12,15 +12,17 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
+use axum::serve::{Listener, ListenerExt};
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use idemstore::backend::access::{redact, Access, AccessArgs};
 use idemstore::backend::memory::{self, MemoryBackend};
 use idemstore::backend::redis::RedisBackend;
 use idemstore::backend::Backend;
 use idemstore::http;
 use idemstore::secret::Secret;
 use idemstore::store::Store;
+use idemstore::tls::{TlsFiles, TlsListener};
 use idemstore::tools;
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -46,7 +48,7 @@ struct Cli {
     #[arg(long, env = "IDEMSTORE_REDIS", value_name = "URL")]
     redis: Option<String>,
 
-    /// Redis Cluster seed node URLs, comma-separated.
+    /// Redis Cluster seed node URLs, comma-separated (rediss:// for TLS).
     #[arg(
         long,
         env = "IDEMSTORE_REDIS_CLUSTER",
@@ -55,6 +57,21 @@ struct Cli {
         conflicts_with = "redis"
     )]
     redis_cluster: Vec<String>,
+
+    /// Redis Sentinel addresses, comma-separated (HOST:PORT, or rediss://HOST:PORT for TLS to
+    /// the sentinels and the master), with --redis-sentinel-master.
+    #[arg(
+        long,
+        env = "IDEMSTORE_REDIS_SENTINEL",
+        value_name = "HOST:PORT,...",
+        value_delimiter = ',',
+        conflicts_with_all = ["redis", "redis_cluster"],
+        requires = "redis_sentinel_master"
+    )]
+    redis_sentinel: Vec<String>,
+
+    #[command(flatten)]
+    access: AccessArgs,
 
     /// Timeout for connecting to Redis and for each Redis reply, in milliseconds.
     #[arg(long, env = "IDEMSTORE_REDIS_TIMEOUT_MS", default_value_t = 1000)]
@@ -84,6 +101,20 @@ struct Cli {
     /// File holding the shared secret (see --secret), trailing line breaks removed.
     #[arg(long, env = "IDEMSTORE_SECRET_FILE", value_name = "PATH", conflicts_with = "secret")]
     secret_file: Option<PathBuf>,
+
+    /// Serve TLS with this certificate chain (PEM), with --tls-key-file; reloaded when it
+    /// changes.
+    #[arg(long, env = "IDEMSTORE_TLS_CERT_FILE", value_name = "PATH", requires = "tls_key_file")]
+    tls_cert_file: Option<PathBuf>,
+
+    /// The listener certificate's private key (PEM).
+    #[arg(long, env = "IDEMSTORE_TLS_KEY_FILE", value_name = "PATH", requires = "tls_cert_file")]
+    tls_key_file: Option<PathBuf>,
+
+    /// Require client certificates signed by these CAs (PEM): only clients holding one (Envoys)
+    /// can call any route.
+    #[arg(long, env = "IDEMSTORE_TLS_CLIENT_CA_FILE", value_name = "PATH", requires = "tls_cert_file")]
+    tls_client_ca_file: Option<PathBuf>,
 
     /// Threads that serve requests; 0: one per core. One thread serves one core's worth with
     /// no hand-offs between threads (measured: a third less CPU per store call than two on two
@@ -124,6 +155,8 @@ impl std::fmt::Debug for RawSecret {
 }
 
 fn main() -> ExitCode {
+    // One TLS implementation, chosen here rather than by whichever crate asks first.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = parse();
     if let Some(Command::Records(records)) = cli.command {
         return run_tool(records);
@@ -203,9 +236,11 @@ async fn run(cli: Cli) -> Result<(), String> {
         }
         (None, None) => None,
     };
-    let listener =
+    let access = Access::load(&cli.access, env_var)?;
+    let tls = tls_files(&cli)?;
+    let tcp =
         TcpListener::bind(&cli.listen).await.map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let addr = tcp.local_addr().map_err(|e| e.to_string())?;
     let mut options = http::Options::new(cli.max_body_bytes);
     match secret {
         Some(secret) => {
@@ -222,48 +257,109 @@ async fn run(cli: Cli) -> Result<(), String> {
         ),
         None => {}
     }
+    let listener = match tls {
+        Some((files, config)) => {
+            let clients = if files.client_ca.is_some() { ", client certificates required" } else { "" };
+            tracing::info!("serving TLS{clients}");
+            Listening::Tls(TlsListener::new(tcp, files, config).map_err(|e| e.to_string())?)
+        }
+        None => Listening::Plain(tcp),
+    };
+    if access.insecure() {
+        tracing::warn!(
+            "--redis-tls-insecure: Redis's certificate and name are NOT verified; anyone on the path \
+             to Redis can read and change every record. For a test setup only"
+        );
+    }
     let timeout = Duration::from_millis(cli.redis_timeout_ms.max(1));
+    let prefix =
+        if access.prefix().is_empty() { String::new() } else { format!(", key prefix {}", access.prefix()) };
     if let Some(url) = &cli.redis {
-        let backend = RedisBackend::standalone(url, timeout)
+        let backend = RedisBackend::standalone_with(url, &access, timeout)
             .map_err(|e| format!("invalid --redis {}: {e}", redact(url)))?;
-        started(addr, &format!("redis {}", redact(url)));
+        started(addr, &format!("redis {}{prefix}", redact(url)));
         serve(listener, backend, options).await
     } else if !cli.redis_cluster.is_empty() {
-        let backend = RedisBackend::cluster(&cli.redis_cluster, timeout)
+        let backend = RedisBackend::cluster_with(&cli.redis_cluster, &access, timeout)
             .map_err(|e| format!("invalid --redis-cluster: {e}"))?;
         let seeds: Vec<String> = cli.redis_cluster.iter().map(|u| redact(u)).collect();
-        started(addr, &format!("redis-cluster {}", seeds.join(",")));
+        started(addr, &format!("redis-cluster {}{prefix}", seeds.join(",")));
+        serve(listener, backend, options).await
+    } else if !cli.redis_sentinel.is_empty() {
+        let master = cli.access.redis_sentinel_master.as_deref().unwrap_or_default();
+        let backend = RedisBackend::sentinel(&cli.redis_sentinel, master, &access, timeout)
+            .map_err(|e| format!("invalid --redis-sentinel: {e}"))?;
+        let sentinels: Vec<String> = cli.redis_sentinel.iter().map(|u| redact(u)).collect();
+        started(addr, &format!("redis-sentinel {} master {master}{prefix}", sentinels.join(",")));
         serve(listener, backend, options).await
     } else {
+        if access.is_given() {
+            return Err("the --redis-* TLS, credential and --key-prefix flags need --redis, \
+                        --redis-cluster or --redis-sentinel"
+                .into());
+        }
         let backend = MemoryBackend::with_limits(cli.memory_max_keys, cli.memory_max_bytes);
         backend.spawn_sweeper(SWEEP_PERIOD);
         started(addr, &format!("memory (max {} keys, {} bytes)", cli.memory_max_keys, cli.memory_max_bytes));
         tracing::warn!(
             "in-memory backend: records and locks live in this process only and are not shared \
-             across idemstore instances; use --redis or --redis-cluster to run more than one"
+             across idemstore instances; use --redis, --redis-cluster or --redis-sentinel to run \
+             more than one"
         );
         serve(listener, backend, options).await
     }
+}
+
+/// A variable of the environment, unset when empty.
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+/// The listener's TLS files, loaded once before listening: a bad file stops the start.
+fn tls_files(cli: &Cli) -> Result<Option<(TlsFiles, Arc<rustls::ServerConfig>)>, String> {
+    let (Some(cert), Some(key)) = (&cli.tls_cert_file, &cli.tls_key_file) else { return Ok(None) };
+    let files = TlsFiles { cert: cert.clone(), key: key.clone(), client_ca: cli.tls_client_ca_file.clone() };
+    let config = files.load()?;
+    Ok(Some((files, config)))
 }
 
 fn started(addr: SocketAddr, backend: &str) {
     tracing::info!("idemstore listening on {addr}, backend {backend}, metrics on GET {}", http::PATH_METRICS);
 }
 
-async fn serve<B: Backend>(listener: TcpListener, backend: B, options: http::Options) -> Result<(), String> {
+enum Listening {
+    Plain(TcpListener),
+    Tls(TlsListener),
+}
+
+async fn serve<B: Backend>(listener: Listening, backend: B, options: http::Options) -> Result<(), String> {
     let store = Arc::new(Store::new(backend));
     if let Err(e) = store.health().await {
         // Not fatal: Redis may come up after us; /healthz reports it meanwhile.
-        tracing::warn!(error = %e, "backend not reachable yet");
+        e.log("the start-up check of the backend");
     }
     let app = http::router(Arc::clone(&store), options);
-    // A waiter's answer often follows another answer on the same h2 connection within
-    // microseconds; with Nagle's algorithm it would wait for Envoy's delayed ACK (~40 ms).
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!(error = %e, "cannot set TCP_NODELAY");
+    match listener {
+        Listening::Plain(tcp) => {
+            // A waiter's answer often follows another answer on the same h2 connection within
+            // microseconds; with Nagle's algorithm it would wait for Envoy's delayed ACK (~40 ms).
+            let tcp = tcp.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::warn!(error = %e, "cannot set TCP_NODELAY");
+                }
+            });
+            serve_on(tcp, app, store).await
         }
-    });
+        Listening::Tls(tls) => serve_on(tls, app, store).await,
+    }
+}
+
+async fn serve_on<L, B>(listener: L, app: axum::Router, store: Arc<Store<B>>) -> Result<(), String>
+where
+    L: Listener,
+    L::Addr: std::fmt::Debug,
+    B: Backend,
+{
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown_signal().await;
@@ -299,16 +395,6 @@ async fn shutdown_signal() {
     }
 }
 
-/// The URL without its password, for logs.
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}://***@{}", &url[..scheme], &url[at + 1..])
-        }
-        _ => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -317,12 +403,6 @@ mod tests {
     #[test]
     fn cli_is_consistent() {
         Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn redacts_credentials() {
-        assert_eq!(redact("redis://:secret@h:6379/0"), "redis://***@h:6379/0");
-        assert_eq!(redact("redis://h:6379"), "redis://h:6379");
     }
 
     #[test]

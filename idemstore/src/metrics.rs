@@ -149,11 +149,12 @@ impl Rejection {
 fn backend_reason(e: &BackendError) -> &'static str {
     match e {
         BackendError::Unavailable(_) => "unavailable",
+        BackendError::Refused(_) => "refused",
         BackendError::Full => "full",
     }
 }
 
-const BACKEND_REASONS: [&str; 2] = ["unavailable", "full"];
+const BACKEND_REASONS: [&str; 3] = ["unavailable", "refused", "full"];
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpLabels {
@@ -184,7 +185,7 @@ struct OpSeries {
     outcomes: Vec<(Outcome, Counter)>,
     duration: Histogram,
     /// Parallel to [`BACKEND_REASONS`].
-    backend_errors: [Counter; 2],
+    backend_errors: [Counter; BACKEND_REASONS.len()],
 }
 
 impl OpSeries {

@@ -219,7 +219,11 @@ impl<B: Backend> Store<B> {
     }
 
     pub async fn health(&self) -> Result<()> {
-        self.backend.health().await
+        let health = self.backend.health().await;
+        if health.is_ok() {
+            crate::backend::recovered();
+        }
+        health
     }
 }
 

@@ -27,6 +27,7 @@ use serde::Serialize;
 use tokio::net::TcpStream;
 
 use crate::admin::{self, CountsReport, DeleteReport, FindReport, KeyReport, LockReport, RecordReport};
+use crate::backend::access::{redact, Access, AccessArgs};
 use crate::backend::redis::RedisBackend;
 use crate::backend::{Backend, BackendError};
 use crate::secret::Secret;
@@ -54,9 +55,11 @@ Or give --store-key: the 64 hex characters the filter hands the application in i
 `store_key_header`, or at least 8 of the first ones (the filter's debug log lines,
 `request <x-request-id> key <12 hex>: ...`, show 12).
 
-Where: --redis / --redis-cluster read Redis directly (default: $IDEMSTORE_REDIS, else
-$IDEMSTORE_REDIS_CLUSTER, as the service reads them); --url goes through a running idemstore,
-with its secret from --secret-file, $IDEMSTORE_SECRET_FILE or $IDEMSTORE_SECRET.
+Where: --redis / --redis-cluster / --redis-sentinel read Redis directly (default:
+$IDEMSTORE_REDIS, $IDEMSTORE_REDIS_CLUSTER or $IDEMSTORE_REDIS_SENTINEL, as the service reads
+them), with the service's TLS, credential and --key-prefix flags and variables (the same prefix,
+or nothing is found); --url goes through a running idemstore, with its secret from
+--secret-file, $IDEMSTORE_SECRET_FILE or $IDEMSTORE_SECRET.
 
 Each Envoy worker keeps records it replayed in its record cache (record_cache_entries) and
 replays them until they expire, without asking the store: after a delete, a retry that reaches
@@ -140,6 +143,20 @@ pub struct Target {
     #[arg(long, value_name = "URLS", value_delimiter = ',', conflicts_with = "url")]
     pub redis_cluster: Vec<String>,
 
+    /// Redis Sentinel addresses, as idemstore's --redis-sentinel, with
+    /// --redis-sentinel-master (default: $IDEMSTORE_REDIS_SENTINEL).
+    #[arg(
+        long,
+        value_name = "HOST:PORT,...",
+        value_delimiter = ',',
+        conflicts_with_all = ["redis", "redis_cluster", "url"]
+    )]
+    pub redis_sentinel: Vec<String>,
+
+    /// How to reach Redis (TLS, credentials, key prefix): the service's flags and variables.
+    #[command(flatten)]
+    pub access: AccessArgs,
+
     /// A running idemstore, e.g. http://idemstore:8380: through its admin routes.
     #[arg(long, value_name = "URL")]
     pub url: Option<String>,
@@ -189,14 +206,27 @@ pub async fn execute(command: &Records, env: impl Fn(&str) -> Option<String>) ->
         Records::Count(c) => &c.target,
     };
     let timeout = Duration::from_millis(target.timeout_ms.max(1));
+    let access = || Access::load(&target.access, &env);
     match Where::of(target, &env)? {
         Where::Redis(url) => {
-            let backend = RedisBackend::standalone(&url, timeout).map_err(|e| format!("--redis: {e}"))?;
+            let backend = RedisBackend::standalone_with(&url, &access()?, timeout)
+                .map_err(|e| format!("--redis {}: {e}", redact(&url)))?;
             perform(&Direct(backend), command).await
         }
         Where::Cluster(urls) => {
-            let backend =
-                RedisBackend::cluster(&urls, timeout).map_err(|e| format!("--redis-cluster: {e}"))?;
+            let backend = RedisBackend::cluster_with(&urls, &access()?, timeout)
+                .map_err(|e| format!("--redis-cluster: {e}"))?;
+            perform(&Direct(backend), command).await
+        }
+        Where::Sentinel(sentinels) => {
+            let master = target
+                .access
+                .redis_sentinel_master
+                .clone()
+                .or_else(|| env("IDEMSTORE_REDIS_SENTINEL_MASTER"));
+            let master = master.ok_or("--redis-sentinel needs --redis-sentinel-master NAME")?;
+            let backend = RedisBackend::sentinel(&sentinels, &master, &access()?, timeout)
+                .map_err(|e| format!("--redis-sentinel: {e}"))?;
             perform(&Direct(backend), command).await
         }
         Where::Idemstore(url) => {
@@ -210,6 +240,7 @@ pub async fn execute(command: &Records, env: impl Fn(&str) -> Option<String>) ->
 enum Where {
     Redis(String),
     Cluster(Vec<String>),
+    Sentinel(Vec<String>),
     Idemstore(String),
 }
 
@@ -226,14 +257,21 @@ impl Where {
         if !target.redis_cluster.is_empty() {
             return Ok(Self::Cluster(target.redis_cluster.clone()));
         }
-        match (env("IDEMSTORE_REDIS"), env("IDEMSTORE_REDIS_CLUSTER")) {
-            (Some(_), Some(_)) => Err("both IDEMSTORE_REDIS and IDEMSTORE_REDIS_CLUSTER are set: \
-                 say which with --redis or --redis-cluster"
+        if !target.redis_sentinel.is_empty() {
+            return Ok(Self::Sentinel(target.redis_sentinel.clone()));
+        }
+        let list = |urls: String| urls.split(',').map(str::to_owned).collect();
+        match (env("IDEMSTORE_REDIS"), env("IDEMSTORE_REDIS_CLUSTER"), env("IDEMSTORE_REDIS_SENTINEL")) {
+            (Some(url), None, None) => Ok(Self::Redis(url)),
+            (None, Some(urls), None) => Ok(Self::Cluster(list(urls))),
+            (None, None, Some(urls)) => Ok(Self::Sentinel(list(urls))),
+            (None, None, None) => Err("where are the records? Give --redis URL, --redis-cluster URLS, \
+                 --redis-sentinel HOST:PORT,... or --url http://IDEMSTORE:8380 (or set IDEMSTORE_REDIS, \
+                 IDEMSTORE_REDIS_CLUSTER or IDEMSTORE_REDIS_SENTINEL)"
                 .into()),
-            (Some(url), None) => Ok(Self::Redis(url)),
-            (None, Some(urls)) => Ok(Self::Cluster(urls.split(',').map(str::to_owned).collect())),
-            (None, None) => Err("where are the records? Give --redis URL, --redis-cluster URLS or \
-                 --url http://IDEMSTORE:8380 (or set IDEMSTORE_REDIS / IDEMSTORE_REDIS_CLUSTER)"
+            _ => Err("more than one of IDEMSTORE_REDIS, IDEMSTORE_REDIS_CLUSTER and \
+                 IDEMSTORE_REDIS_SENTINEL is set: say which with --redis, --redis-cluster or \
+                 --redis-sentinel"
                 .into()),
         }
     }
@@ -308,6 +346,7 @@ pub struct Direct<B>(pub B);
 fn backend_failure(e: BackendError) -> Failure {
     match e {
         BackendError::Unavailable(why) => format!("the store did not answer: {why}"),
+        BackendError::Refused(why) => why.clone(),
         BackendError::Full => "the store is full".into(),
     }
 }
@@ -699,7 +738,7 @@ mod tests {
         };
         assert!(matches!(Where::of(&c.target, &env(true, false)), Ok(Where::Redis(u)) if u == "redis://env"));
         assert!(matches!(Where::of(&c.target, &env(false, true)), Ok(Where::Cluster(u)) if u.len() == 2));
-        assert!(Where::of(&c.target, &env(true, true)).unwrap_err().contains("both"));
+        assert!(Where::of(&c.target, &env(true, true)).unwrap_err().contains("more than one"));
         assert!(Where::of(&c.target, &env(false, false)).unwrap_err().contains("--redis URL"));
         // A flag wins over the environment.
         let Records::Count(c) = parse(&["count", "--url", "http://x:1"]).unwrap() else { panic!() };

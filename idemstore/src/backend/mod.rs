@@ -18,9 +18,11 @@ use tokio::task::JoinHandle;
 
 use crate::waiters::{RemoteWakeups, Waiters};
 
+pub mod access;
 pub mod memory;
 pub mod pubsub;
 pub mod redis;
+pub mod sentinel;
 
 /// What one atomic `begin` attempt found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,6 +42,9 @@ pub enum Attempt {
 pub enum BackendError {
     /// The backend could not be reached or answered something unexpected.
     Unavailable(String),
+    /// The backend refuses idemstore until its operator fixes something (a certificate, the
+    /// password, an ACL permission): retrying will not help, the message says what to fix.
+    Refused(String),
     /// The in-memory backend hit its key limit.
     Full,
 }
@@ -48,12 +53,58 @@ impl std::fmt::Display for BackendError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Unavailable(why) => write!(f, "backend unavailable: {why}"),
+            Self::Refused(why) => write!(f, "backend refused: {why}"),
             Self::Full => f.write_str("backend full"),
         }
     }
 }
 
 impl std::error::Error for BackendError {}
+
+/// The causes of [`BackendError::Refused`] logged since the backend last recovered: each is
+/// logged once, not on every request and health check that meets it.
+static REFUSALS_LOGGED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+/// Distinct causes remembered at most (a cause names a command or certificate: a handful).
+const REFUSALS_KEPT: usize = 32;
+
+impl BackendError {
+    /// Logs a failed `what` (an operation, the health check): an outage as a warning each time;
+    /// a refusal once, as an error naming the cause, until [`recovered`] says the backend
+    /// answers again.
+    pub fn log(&self, what: &str) {
+        let Self::Refused(why) = self else {
+            tracing::warn!(error = %self, "{what} failed");
+            return;
+        };
+        let first = match REFUSALS_LOGGED.lock() {
+            Ok(seen) if seen.iter().any(|s| s == why) => false,
+            Ok(mut seen) => {
+                if seen.len() >= REFUSALS_KEPT {
+                    seen.remove(0);
+                }
+                seen.push(why.clone());
+                true
+            }
+            Err(_) => true,
+        };
+        if first {
+            tracing::error!("{why} (logged once; /healthz answers 503 until it is fixed)");
+        } else {
+            tracing::debug!(error = %self, "{what} failed");
+        }
+    }
+}
+
+/// The backend answered a health check: refusals logged before are logged again if they come
+/// back. Says so once when refusals had been logged.
+pub fn recovered() {
+    if let Ok(mut seen) = REFUSALS_LOGGED.lock() {
+        if !seen.is_empty() {
+            seen.clear();
+            tracing::info!("the backend accepts idemstore again");
+        }
+    }
+}
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 

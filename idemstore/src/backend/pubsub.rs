@@ -28,9 +28,10 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::sentinel::SentinelConnection;
 use crate::waiters::{RemoteWakeups, Waiters};
 
-/// The channel the scripts publish store keys on.
+/// The channel the scripts publish store keys on (after `--key-prefix`).
 pub const CHANNEL: &str = "idem:wake";
 
 /// A silent subscription (Redis frozen, a connection black-holed) is noticed by a `PING`
@@ -43,12 +44,46 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// server) keep it growing.
 const STABLE: Duration = Duration::from_secs(10);
 
-/// Subscribes through `nodes` (one for standalone Redis, the seeds of a cluster), in a task
-/// that reconnects until aborted or until `waiters` is gone. `timeout` bounds connecting,
-/// subscribing and each keepalive `PING`. Needs a tokio runtime; without one (or without
-/// nodes) nothing starts and waiters rely on their re-checks.
+/// Where the subscription goes.
+#[derive(Clone)]
+pub enum WakeNodes {
+    /// The server, or the seeds of a cluster, taken in turn.
+    Fixed(Vec<Client>),
+    /// Whichever master the sentinels name at the time (wake-ups published on the master
+    /// reach its replicas' subscribers too, so a demoted master still hears them).
+    Sentinel(SentinelConnection),
+}
+
+impl WakeNodes {
+    fn is_empty(&self) -> bool {
+        matches!(self, Self::Fixed(nodes) if nodes.is_empty())
+    }
+
+    /// The next node to subscribe through, the `n`th try.
+    async fn pick(&self, n: usize) -> Result<Client, String> {
+        match self {
+            Self::Fixed(nodes) => {
+                nodes.get(n % nodes.len().max(1)).cloned().ok_or_else(|| "no node".to_owned())
+            }
+            Self::Sentinel(sentinel) => sentinel.master_client().await.map_err(|e| e.to_string()),
+        }
+    }
+
+    fn count(&self) -> usize {
+        match self {
+            Self::Fixed(nodes) => nodes.len(),
+            Self::Sentinel(_) => 1,
+        }
+    }
+}
+
+/// Subscribes to `channel` through `nodes`, in a task that reconnects until aborted or until
+/// `waiters` is gone. `timeout` bounds connecting, subscribing and each keepalive `PING`.
+/// Needs a tokio runtime; without one (or without nodes) nothing starts and waiters rely on
+/// their re-checks.
 pub(crate) fn spawn(
-    nodes: Vec<Client>,
+    nodes: WakeNodes,
+    channel: String,
     timeout: Duration,
     waiters: Weak<Waiters>,
     status: watch::Sender<RemoteWakeups>,
@@ -57,7 +92,7 @@ pub(crate) fn spawn(
         return None;
     }
     match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => Some(runtime.spawn(run(nodes, timeout, waiters, status))),
+        Ok(runtime) => Some(runtime.spawn(run(nodes, channel, timeout, waiters, status))),
         Err(e) => {
             tracing::warn!(
                 error = %e,
@@ -69,13 +104,14 @@ pub(crate) fn spawn(
 }
 
 async fn run(
-    nodes: Vec<Client>,
+    nodes: WakeNodes,
+    channel: String,
     timeout: Duration,
     waiters: Weak<Waiters>,
     status: watch::Sender<RemoteWakeups>,
 ) {
     // Instances spread over the seeds rather than all sitting on the first.
-    let mut next = rand::random_range(0..nodes.len());
+    let mut next = rand::random_range(0..nodes.count().max(1));
     let mut backoff = Duration::ZERO;
     // Since when wake-ups have not been heard: the outage is logged once, at its start.
     let mut outage: Option<Instant> = None;
@@ -83,9 +119,13 @@ async fn run(
         if waiters.strong_count() == 0 {
             return;
         }
-        let Some(node) = nodes.get(next % nodes.len()) else { return };
+        let picked = nodes.pick(next).await;
         next = next.wrapping_add(1);
-        match subscribe(node, timeout).await {
+        let subscribed = match picked {
+            Ok(node) => subscribe(&node, &channel, timeout).await,
+            Err(e) => Err(e),
+        };
+        match subscribed {
             Ok(pubsub) => {
                 if let Some(since) = outage.take() {
                     tracing::info!(
@@ -107,7 +147,7 @@ async fn run(
                 let Some(why) = lost else { return };
                 tracing::warn!(
                     reason = %why,
-                    "lost the Redis subscription to {CHANNEL}: until it is back, waiters on \
+                    "lost the Redis subscription to {channel}: until it is back, waiters on \
                      locks held through other idemstore instances notice them finish by \
                      re-checking"
                 );
@@ -117,15 +157,18 @@ async fn run(
                 }
             }
             Err(why) => {
-                if outage.is_none() {
+                // A refusal (TLS, credentials, ACL) was logged as such, once.
+                let refused = why.starts_with(REFUSED);
+                if outage.is_none() && !refused {
                     tracing::warn!(
                         reason = %why,
-                        "cannot subscribe to {CHANNEL} on Redis: until it works, waiters on locks \
+                        "cannot subscribe to {channel} on Redis: until it works, waiters on locks \
                          held through other idemstore instances notice them finish by re-checking"
                     );
                     outage = Some(Instant::now());
                 } else {
-                    tracing::debug!(reason = %why, "subscribing to {CHANNEL} failed again");
+                    outage.get_or_insert_with(Instant::now);
+                    tracing::debug!(reason = %why, "subscribing to {channel} failed again");
                 }
             }
         }
@@ -134,21 +177,31 @@ async fn run(
     }
 }
 
+/// How a subscription failure that was logged as a refusal starts.
+const REFUSED: &str = "refused: ";
+
 /// Between half and all of `delay`, so instances that lost Redis together do not all come
 /// back in the same instant.
 fn jitter(delay: Duration) -> Duration {
     delay.mul_f64(rand::random_range(0.5..=1.0))
 }
 
-async fn subscribe(node: &Client, timeout: Duration) -> Result<PubSub, String> {
+async fn subscribe(node: &Client, channel: &str, timeout: Duration) -> Result<PubSub, String> {
     let connect = async {
         let mut pubsub = node.get_async_pubsub().await?;
-        pubsub.subscribe(CHANNEL).await?;
+        pubsub.subscribe(channel).await?;
         Ok::<_, ::redis::RedisError>(pubsub)
     };
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(pubsub)) => Ok(pubsub),
-        Ok(Err(e)) => Err(e.to_string()),
+        Ok(Err(e)) => Err(match super::redis::failed(e) {
+            // Logged once as the cause (the health check meets the same).
+            super::BackendError::Refused(why) => {
+                super::BackendError::Refused(why.clone()).log("subscribing to wake-ups");
+                format!("{REFUSED}{why}")
+            }
+            other => other.to_string(),
+        }),
         Err(_) => Err(format!("no answer within {timeout:?}")),
     }
 }
@@ -202,8 +255,13 @@ mod tests {
     async fn nothing_to_subscribe_through_starts_nothing() {
         let waiters = std::sync::Arc::new(Waiters::default());
         let status = watch::Sender::new(RemoteWakeups::default());
-        assert!(
-            spawn(Vec::new(), Duration::from_secs(1), std::sync::Arc::downgrade(&waiters), status).is_none()
-        );
+        assert!(spawn(
+            WakeNodes::Fixed(Vec::new()),
+            CHANNEL.to_owned(),
+            Duration::from_secs(1),
+            std::sync::Arc::downgrade(&waiters),
+            status
+        )
+        .is_none());
     }
 }

@@ -15,12 +15,14 @@ use std::time::Duration;
 use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::{ClusterClient, ClusterConfig};
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::io::tcp::TcpSettings;
-use ::redis::{Client, ConnectionInfo, IntoConnectionInfo, RedisError, RedisResult, Script, Value};
+use ::redis::{RedisError, RedisResult, Script, Value};
 use bytes::Bytes;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::access::Access;
+use super::pubsub::WakeNodes;
+use super::sentinel::SentinelConnection;
 use super::{
     pubsub, record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Inspection,
     LockInfo, RecordInfo, ReleaseOutcome, Result, RECORD_HEAD_BYTES,
@@ -33,9 +35,9 @@ pub struct RedisBackend<C> {
     scripts: Scripts,
     /// Bounds every operation as a whole, whatever the client's retries do.
     timeout: Duration,
-    /// Where to subscribe to wake-ups: the server, or the cluster's seed nodes (any one node
-    /// hears every slot's wake-ups).
-    wake_nodes: Vec<Client>,
+    /// Where to subscribe to wake-ups.
+    wake_nodes: WakeNodes,
+    keys: Keys,
 }
 
 #[derive(Clone)]
@@ -69,7 +71,12 @@ impl RedisBackend<ConnectionManager> {
     /// Connects lazily, so the service starts (and `/healthz` says 503) while Redis is down;
     /// the manager reconnects after I/O errors. `timeout` bounds connecting and each reply.
     pub fn standalone(url: &str, timeout: Duration) -> Result<Self> {
-        let client = Client::open(with_nodelay(url)?).map_err(unavailable)?;
+        Self::standalone_with(url, &Access::default(), timeout)
+    }
+
+    /// [`Self::standalone`] with TLS, credentials and a key prefix.
+    pub fn standalone_with(url: &str, access: &Access, timeout: Duration) -> Result<Self> {
+        let client = access.client(url).map_err(BackendError::Unavailable)?;
         // Requests queue behind a reconnect, so its retries must not outlast the filter's
         // callout timeout: one quick retry, then the request fails (503) and the next one
         // tries again.
@@ -79,68 +86,115 @@ impl RedisBackend<ConnectionManager> {
             .set_number_of_retries(1)
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(100));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(unavailable)?;
-        Ok(Self { conn, scripts: Scripts::new(), timeout, wake_nodes: vec![client] })
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(failed)?;
+        Ok(Self::new(conn, access, timeout, WakeNodes::Fixed(vec![client])))
     }
 }
 
 impl RedisBackend<ClusterConnection> {
     /// `urls` are seed nodes; the slot map is discovered from them, in the background.
     pub fn cluster(urls: &[String], timeout: Duration) -> Result<Self> {
+        Self::cluster_with(urls, &Access::default(), timeout)
+    }
+
+    /// [`Self::cluster`] with TLS, credentials and a key prefix (every node gets the same).
+    pub fn cluster_with(urls: &[String], access: &Access, timeout: Duration) -> Result<Self> {
+        let seeds = urls
+            .iter()
+            .map(|u| access.connection_info(u))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(BackendError::Unavailable)?;
         // The default retries (16, backing off to minutes) would hold a request for a slot
         // whose master is down far beyond the filter's timeout; a few quick ones still
         // follow MOVED/ASK redirections during resharding.
-        let seeds = urls.iter().map(|u| with_nodelay(u)).collect::<Result<Vec<_>>>()?;
-        let client = ClusterClient::builder(seeds)
+        let mut builder = ClusterClient::builder(seeds)
             .connection_timeout(timeout)
             .response_timeout(timeout)
             .retries(3)
             .min_retry_wait(10)
-            .max_retry_wait(100)
-            .build()
-            .map_err(unavailable)?;
+            .max_retry_wait(100);
+        if let Some(user) = access.username() {
+            builder = builder.username(user);
+        }
+        if let Some(password) = access.password() {
+            builder = builder.password(password);
+        }
+        if let Some(certificates) = access.certificates() {
+            builder = builder.certs(certificates.clone());
+        }
+        let client = builder.build().map_err(failed)?;
         // `with_config` replaces the builder's response timeout, so it is given again.
         let config = ClusterConfig::new().set_connection_timeout(timeout).set_response_timeout(timeout);
         let conn = client.get_pending_async_connection_with_config(config);
         let wake_nodes = urls
             .iter()
-            .map(|url| Client::open(url.as_str()))
-            .collect::<RedisResult<_>>()
-            .map_err(unavailable)?;
-        Ok(Self { conn, scripts: Scripts::new(), timeout, wake_nodes })
+            .map(|url| access.client(url))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(BackendError::Unavailable)?;
+        Ok(Self::new(conn, access, timeout, WakeNodes::Fixed(wake_nodes)))
     }
 }
 
-/// Records are sent in one write and answered at once: Nagle's algorithm would only add delay.
-fn with_nodelay(url: &str) -> Result<ConnectionInfo> {
-    let info = url.into_connection_info().map_err(unavailable)?;
-    Ok(info.set_tcp_settings(TcpSettings::default().set_nodelay(true)))
+impl RedisBackend<SentinelConnection> {
+    /// The master that `sentinels` (`HOST:PORT`, or `redis://` / `rediss://` URLs: TLS to the
+    /// sentinels and the master alike) know as `master`, asked again after every lost
+    /// connection or `READONLY` answer: it follows a failover.
+    pub fn sentinel(sentinels: &[String], master: &str, access: &Access, timeout: Duration) -> Result<Self> {
+        let conn = SentinelConnection::new(sentinels, master, access, timeout)?;
+        let wake = WakeNodes::Sentinel(conn.clone());
+        Ok(Self::new(conn, access, timeout, wake))
+    }
 }
 
-fn record_key(key: &str) -> String {
-    format!("idem:{{{key}}}:r")
+impl<C> RedisBackend<C> {
+    fn new(conn: C, access: &Access, timeout: Duration, wake_nodes: WakeNodes) -> Self {
+        Self { conn, scripts: Scripts::new(), timeout, wake_nodes, keys: Keys::new(access.prefix()) }
+    }
 }
 
-fn lock_key(key: &str) -> String {
-    format!("idem:{{{key}}}:l")
+/// Redis's names for a store key's record, lock and waiter mark, and the wake-up channel,
+/// under `--key-prefix`.
+#[derive(Debug, Clone, Default)]
+pub struct Keys {
+    prefix: std::sync::Arc<str>,
 }
 
-/// Set while a `begin` waits on the key's lock: commit and release publish a wake-up only then.
-fn waiter_key(key: &str) -> String {
-    format!("idem:{{{key}}}:w")
-}
+impl Keys {
+    pub fn new(prefix: &str) -> Self {
+        Self { prefix: prefix.into() }
+    }
 
-/// The store key a record or lock key of ours (as [`record_key`] and [`lock_key`] spell them)
-/// belongs to, with the kind of key; `None` for any other key.
-fn parse_key(redis_key: &[u8]) -> Option<(String, Kind)> {
-    let text = std::str::from_utf8(redis_key).ok()?;
-    let key = text.split_once('{')?.1.split_once('}')?.0;
-    if text == record_key(key) {
-        Some((key.to_owned(), Kind::Record))
-    } else if text == lock_key(key) {
-        Some((key.to_owned(), Kind::Lock))
-    } else {
-        None
+    pub fn record(&self, key: &str) -> String {
+        format!("{}idem:{{{key}}}:r", self.prefix)
+    }
+
+    pub fn lock(&self, key: &str) -> String {
+        format!("{}idem:{{{key}}}:l", self.prefix)
+    }
+
+    /// Set while a `begin` waits on the key's lock: commit and release publish a wake-up only
+    /// then.
+    pub fn waiter(&self, key: &str) -> String {
+        format!("{}idem:{{{key}}}:w", self.prefix)
+    }
+
+    /// The channel the scripts publish store keys on.
+    pub fn channel(&self) -> String {
+        format!("{}{}", self.prefix, pubsub::CHANNEL)
+    }
+
+    /// The store key a record or lock key of ours (as [`Self::record`] and [`Self::lock`]
+    /// spell them) belongs to, with the kind of key; `None` for any other key.
+    fn parse(&self, redis_key: &[u8]) -> Option<(String, Kind)> {
+        let text = std::str::from_utf8(redis_key).ok()?;
+        let key = text.strip_prefix(&*self.prefix)?.split_once('{')?.1.split_once('}')?.0;
+        if text == self.record(key) {
+            Some((key.to_owned(), Kind::Record))
+        } else if text == self.lock(key) {
+            Some((key.to_owned(), Kind::Lock))
+        } else {
+            None
+        }
     }
 }
 
@@ -149,6 +203,9 @@ enum Kind {
     Record,
     Lock,
 }
+
+/// The store key the health probe inspects: not 64 hex characters, so never a real one.
+const HEALTH_PROBE_KEY: &str = "healthz";
 
 /// Keys each `SCAN` call asks a node to look at (a hint: a call returns about as many keys as
 /// match among them).
@@ -187,8 +244,69 @@ fn parse_inspection(reply: Value) -> Result<Inspection> {
     Ok(Inspection { record, lock })
 }
 
-fn unavailable(e: RedisError) -> BackendError {
-    BackendError::Unavailable(e.to_string())
+/// A Redis error as the backend's: a refusal the operator must fix (TLS, credentials, an ACL
+/// permission) named as such, anything else an outage.
+pub(crate) fn failed(e: RedisError) -> BackendError {
+    match refusal(&e) {
+        Some(why) => BackendError::Refused(why),
+        None => BackendError::Unavailable(e.to_string()),
+    }
+}
+
+fn refusal(e: &RedisError) -> Option<String> {
+    match e.code() {
+        Some("NOPERM") => {
+            return Some(format!(
+                "Redis refused a command to idemstore's ACL user ({e}): grant it the commands, key \
+                 pattern and channel docs/security.md lists (with --key-prefix, under that prefix)"
+            ))
+        }
+        Some("WRONGPASS" | "NOAUTH") => return Some(credentials(e)),
+        _ => {}
+    }
+    if e.kind() == ::redis::ErrorKind::AuthenticationFailed {
+        return Some(credentials(e));
+    }
+    tls_failure(e).map(|tls| {
+        format!(
+            "TLS with Redis failed: {tls}: check --redis-ca-file (the CA that signed Redis's \
+             certificate), that the URL's host is a name or address the certificate holds, and \
+             --redis-cert-file/--redis-key-file when Redis requires client certificates"
+        )
+    })
+}
+
+fn credentials(e: &RedisError) -> String {
+    format!(
+        "Redis refused idemstore's credentials ({e}): check the user (--redis-username or the \
+         URL's) and its password (--redis-password-file or IDEMSTORE_REDIS_PASSWORD)"
+    )
+}
+
+/// The TLS error under `e`, if a handshake or certificate check is what failed. The
+/// connection manager passes connection errors on as text, so the text is read too.
+fn tls_failure(e: &RedisError) -> Option<String> {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cause {
+        if let Some(tls) = err.downcast_ref::<rustls::Error>() {
+            return Some(tls.to_string());
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if let Some(tls) = io.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
+                return Some(tls.to_string());
+            }
+        }
+        cause = err.source();
+    }
+    let text = e.to_string();
+    const TLS_MARKS: [&str; 5] = [
+        "invalid peer certificate",
+        "received fatal alert",
+        "peer sent no certificates",
+        "peer is incompatible",
+        "InvalidCertificate",
+    ];
+    TLS_MARKS.iter().any(|mark| text.contains(mark)).then_some(text)
 }
 
 fn garbage(what: &str) -> BackendError {
@@ -223,7 +341,7 @@ fn millis(d: Duration) -> u64 {
 impl<C> RedisBackend<C> {
     async fn bounded<T>(&self, op: impl std::future::Future<Output = RedisResult<T>>) -> Result<T> {
         match tokio::time::timeout(self.timeout, op).await {
-            Ok(result) => result.map_err(unavailable),
+            Ok(result) => result.map_err(failed),
             Err(_) => Err(BackendError::Unavailable(format!("no reply within {:?}", self.timeout))),
         }
     }
@@ -286,6 +404,21 @@ fn scan_cmd(cursor: u64, pattern: &str) -> ::redis::Cmd {
 }
 
 impl Scan for ConnectionManager {
+    async fn nodes(&mut self) -> RedisResult<Vec<Node>> {
+        Ok(vec![Node::This])
+    }
+
+    async fn scan_step(
+        &mut self,
+        _node: &Node,
+        cursor: u64,
+        pattern: &str,
+    ) -> RedisResult<(u64, Vec<Vec<u8>>)> {
+        scan_cmd(cursor, pattern).query_async(self).await
+    }
+}
+
+impl Scan for SentinelConnection {
     async fn nodes(&mut self) -> RedisResult<Vec<Node>> {
         Ok(vec![Node::This])
     }
@@ -363,6 +496,12 @@ impl Ping for ConnectionManager {
     }
 }
 
+impl Ping for SentinelConnection {
+    async fn ping(&mut self) -> RedisResult<()> {
+        ::redis::cmd("PING").query_async::<String>(self).await.map(|_| ())
+    }
+}
+
 impl Ping for ClusterConnection {
     /// One node, not all: a plain cluster PING needs every primary, so one dead master (whose
     /// slots fail over in seconds) would make an Envoy health check drop this idemstore and
@@ -386,8 +525,13 @@ where
         token: &str,
         lock_ttl: Duration,
     ) -> Result<Attempt> {
-        let mut script = self.scripts.begin.key(record_key(key));
-        script.key(lock_key(key)).key(waiter_key(key)).arg(body_hash).arg(token).arg(millis(lock_ttl));
+        let mut script = self.scripts.begin.key(self.keys.record(key));
+        script
+            .key(self.keys.lock(key))
+            .key(self.keys.waiter(key))
+            .arg(body_hash)
+            .arg(token)
+            .arg(millis(lock_ttl));
         let reply: Value = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         parse_attempt(reply)
     }
@@ -400,50 +544,65 @@ where
         record: Bytes,
         retention: Duration,
     ) -> Result<CommitOutcome> {
-        let mut script = self.scripts.commit.key(record_key(key));
-        script.key(lock_key(key)).key(waiter_key(key)).arg(token).arg(body_hash).arg(millis(retention));
-        script.arg(record.as_ref()).arg(pubsub::CHANNEL).arg(key);
+        let mut script = self.scripts.commit.key(self.keys.record(key));
+        script
+            .key(self.keys.lock(key))
+            .key(self.keys.waiter(key))
+            .arg(token)
+            .arg(body_hash)
+            .arg(millis(retention));
+        script.arg(record.as_ref()).arg(self.keys.channel()).arg(key);
         let reply: Vec<u8> = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         CommitOutcome::parse(&reply).ok_or_else(|| garbage("commit"))
     }
 
     async fn release(&self, key: &str, token: &str) -> Result<ReleaseOutcome> {
-        let mut script = self.scripts.release.key(lock_key(key));
-        script.key(waiter_key(key)).arg(token).arg(pubsub::CHANNEL).arg(key);
+        let mut script = self.scripts.release.key(self.keys.lock(key));
+        script.key(self.keys.waiter(key)).arg(token).arg(self.keys.channel()).arg(key);
         let deleted: i64 = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         Ok(if deleted == 1 { ReleaseOutcome::Released } else { ReleaseOutcome::NotOwner })
     }
 
+    /// A `PING` says whether Redis answers; a probe (the `inspect` script on a key no store
+    /// key can be) then says whether it lets idemstore in: a missing ACL permission fails it
+    /// as refused. The probe's outages do not count: on a Cluster it reaches one slot's
+    /// master, whose failover must not fail the whole instance's health (as the `PING` to a
+    /// random node does not).
     async fn health(&self) -> Result<()> {
         let mut conn = self.conn.clone();
-        self.bounded(conn.ping()).await
+        self.bounded(conn.ping()).await?;
+        match self.inspect(HEALTH_PROBE_KEY).await {
+            Err(refused @ BackendError::Refused(_)) => Err(refused),
+            _ => Ok(()),
+        }
     }
 
     async fn inspect(&self, key: &str) -> Result<Inspection> {
-        let mut script = self.scripts.inspect.key(record_key(key));
-        script.key(lock_key(key)).arg(64 + RECORD_HEAD_BYTES - 1);
+        let mut script = self.scripts.inspect.key(self.keys.record(key));
+        script.key(self.keys.lock(key)).arg(64 + RECORD_HEAD_BYTES - 1);
         let reply: Value = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         parse_inspection(reply)
     }
 
     async fn delete(&self, key: &str) -> Result<Deleted> {
-        let mut script = self.scripts.delete.key(record_key(key));
-        script.key(lock_key(key)).key(waiter_key(key)).arg(pubsub::CHANNEL).arg(key);
+        let mut script = self.scripts.delete.key(self.keys.record(key));
+        script.key(self.keys.lock(key)).key(self.keys.waiter(key)).arg(self.keys.channel()).arg(key);
         let (record, lock): (i64, i64) = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         Ok(Deleted { record: record == 1, lock: lock == 1 })
     }
 
     async fn counts(&self) -> Result<Counts> {
         let mut counts = Counts::default();
+        let keys = &self.keys;
         // The patterns are the key names with `*` for the store key, so they match exactly
         // what `record_key` and `lock_key` make.
-        self.scan(&record_key("*"), |k| {
-            counts.records += u64::from(parse_key(k).is_some_and(|(_, kind)| kind == Kind::Record));
+        self.scan(&self.keys.record("*"), |k| {
+            counts.records += u64::from(keys.parse(k).is_some_and(|(_, kind)| kind == Kind::Record));
             true
         })
         .await?;
-        self.scan(&lock_key("*"), |k| {
-            counts.locks += u64::from(parse_key(k).is_some_and(|(_, kind)| kind == Kind::Lock));
+        self.scan(&self.keys.lock("*"), |k| {
+            counts.locks += u64::from(keys.parse(k).is_some_and(|(_, kind)| kind == Kind::Lock));
             true
         })
         .await?;
@@ -452,14 +611,15 @@ where
 
     async fn find(&self, prefix: &str, limit: usize) -> Result<Vec<String>> {
         let mut found = std::collections::BTreeSet::new();
+        let keys = &self.keys;
         let pattern = format!("{prefix}*");
-        for redis_pattern in [record_key(&pattern), lock_key(&pattern)] {
+        for redis_pattern in [self.keys.record(&pattern), self.keys.lock(&pattern)] {
             if found.len() >= limit {
                 break;
             }
             // A set: a key with both a record and a lock, or returned twice by SCAN, is one key.
             self.scan(&redis_pattern, |k| {
-                if let Some((key, _)) = parse_key(k).filter(|(key, _)| key.starts_with(prefix)) {
+                if let Some((key, _)) = keys.parse(k).filter(|(key, _)| key.starts_with(prefix)) {
                     found.insert(key);
                 }
                 found.len() < limit
@@ -474,7 +634,7 @@ where
         waiters: Weak<Waiters>,
         status: watch::Sender<RemoteWakeups>,
     ) -> Option<JoinHandle<()>> {
-        pubsub::spawn(self.wake_nodes.clone(), self.timeout, waiters, status)
+        pubsub::spawn(self.wake_nodes.clone(), self.keys.channel(), self.timeout, waiters, status)
     }
 }
 
@@ -484,9 +644,15 @@ mod tests {
 
     #[test]
     fn keys_share_a_hash_tag() {
-        assert_eq!(record_key("ab"), "idem:{ab}:r");
-        assert_eq!(lock_key("ab"), "idem:{ab}:l");
-        assert_eq!(waiter_key("ab"), "idem:{ab}:w");
+        let keys = Keys::default();
+        assert_eq!(keys.record("ab"), "idem:{ab}:r");
+        assert_eq!(keys.lock("ab"), "idem:{ab}:l");
+        assert_eq!(keys.waiter("ab"), "idem:{ab}:w");
+        assert_eq!(keys.channel(), "idem:wake");
+        let keys = Keys::new("shop:");
+        assert_eq!(keys.record("ab"), "shop:idem:{ab}:r");
+        assert_eq!(keys.waiter("ab"), "shop:idem:{ab}:w");
+        assert_eq!(keys.channel(), "shop:idem:wake");
     }
 
     #[test]
@@ -522,11 +688,17 @@ mod tests {
     #[test]
     fn parses_our_keys_only() {
         let key = "ab".repeat(32);
-        assert_eq!(parse_key(record_key(&key).as_bytes()), Some((key.clone(), Kind::Record)));
-        assert_eq!(parse_key(lock_key(&key).as_bytes()), Some((key.clone(), Kind::Lock)));
-        assert_eq!(parse_key(waiter_key(&key).as_bytes()), None);
-        assert_eq!(parse_key(b"idem:wake"), None);
-        assert_eq!(parse_key(b"idem:{a}:r:x"), None);
+        let keys = Keys::default();
+        assert_eq!(keys.parse(keys.record(&key).as_bytes()), Some((key.clone(), Kind::Record)));
+        assert_eq!(keys.parse(keys.lock(&key).as_bytes()), Some((key.clone(), Kind::Lock)));
+        assert_eq!(keys.parse(keys.waiter(&key).as_bytes()), None);
+        assert_eq!(keys.parse(b"idem:wake"), None);
+        assert_eq!(keys.parse(b"idem:{a}:r:x"), None);
+        // Another deployment's keys are not ours.
+        let shop = Keys::new("shop:");
+        assert_eq!(shop.parse(keys.record(&key).as_bytes()), None);
+        assert_eq!(shop.parse(shop.record(&key).as_bytes()), Some((key.clone(), Kind::Record)));
+        assert_eq!(keys.parse(shop.record(&key).as_bytes()), None);
     }
 
     #[test]
