@@ -354,6 +354,45 @@ def test_store_cluster_carries_the_store_stream(path):
         assert store_stream_problems(cluster) == [], f"{rel(path)}: cluster {name}"
 
 
+# The commented-out block that gives the store cluster a client certificate for an idemstore
+# serving TLS (docs/security.md, "idemstore's listener over TLS").
+STORE_TLS_START = "    # transport_socket:\n"
+
+
+def uncomment_store_tls(text: str) -> str:
+    """`text` with the store cluster's commented `transport_socket` block uncommented."""
+    start = text.index(STORE_TLS_START)
+    lines = text[start:].split("\n")
+    block = []
+    for line in lines:
+        if not line.startswith("    # ") or (block and not line.startswith("    #   ")):
+            break
+        block.append(line)
+    uncommented = [("    " + line[len("    # "):]) for line in block]
+    return text[:start] + "\n".join(uncommented) + "\n" + "\n".join(lines[len(block):])
+
+
+@pytest.mark.parametrize("path", [ENVOY_DIR / "envoy.yaml", ENVOY_DIR / "docker" / "envoy.yaml"], ids=rel)
+def test_store_tls_block_validates(path, work_dir):
+    """The shipped store cluster's commented TLS block, uncommented, is a transport socket of
+    the idemstore cluster that Envoy accepts (with the certificate files it names made here),
+    and the docs show the same block."""
+    tls = work_dir / "store-tls"
+    if not (tls / "ca.pem").exists():
+        pki = Pki(tls)
+        pki.issue("idemstore-client", client=True)
+    text = uncomment_store_tls(with_built_wasm(path.read_text()))
+    [cluster] = store_clusters(yaml.safe_load(text)).values()
+    socket = cluster["transport_socket"]
+    context = socket["typed_config"]["common_tls_context"]
+    assert context["tls_certificates"][0]["certificate_chain"]["filename"].endswith("idemstore-client.pem")
+    copy = work_dir / ("store-tls-" + rel(path).replace("/", "-"))
+    copy.write_text(text.replace(TLS_DIR, str(tls)))
+    assert_valid(envoy_validate(copy), copy)
+    security = (h.ROOT / "docs" / "security.md").read_text()
+    assert "certificate_chain: {filename: /etc/idempotency/tls/idemstore-client.pem}" in security
+
+
 def test_store_stream_check_bites():
     """The check above on envoy/envoy.yaml's idemstore cluster passes, and fails when one
     requirement is taken away."""
