@@ -334,10 +334,8 @@ enum Listening {
 
 async fn serve<B: Backend>(listener: Listening, backend: B, options: http::Options) -> Result<(), String> {
     let store = Arc::new(Store::new(backend));
-    if let Err(e) = store.health().await {
-        // Not fatal: Redis may come up after us; /healthz reports it meanwhile.
-        e.log("the start-up check of the backend");
-    }
+    // Not fatal: Redis may come up after us; /healthz reports it meanwhile (the check logs).
+    let _ = store.health().await;
     let app = http::router(Arc::clone(&store), options);
     match listener {
         Listening::Plain(tcp) => {

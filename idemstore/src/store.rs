@@ -220,9 +220,7 @@ impl<B: Backend> Store<B> {
 
     pub async fn health(&self) -> Result<()> {
         let health = self.backend.health().await;
-        if health.is_ok() {
-            crate::backend::recovered();
-        }
+        crate::backend::health_checked(&health);
         health
     }
 }

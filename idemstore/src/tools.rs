@@ -157,9 +157,24 @@ pub struct Target {
     #[command(flatten)]
     pub access: AccessArgs,
 
-    /// A running idemstore, e.g. http://idemstore:8380: through its admin routes.
+    /// A running idemstore, e.g. http://idemstore:8380 (https:// when it serves TLS): through
+    /// its admin routes.
     #[arg(long, value_name = "URL")]
     pub url: Option<String>,
+
+    /// With an https:// --url: CA certificates (PEM) that verify idemstore's certificate
+    /// (default: the system's roots).
+    #[arg(long, value_name = "PATH", requires = "url")]
+    pub url_ca_file: Option<PathBuf>,
+
+    /// With an https:// --url: the client certificate (PEM) idemstore requires
+    /// (--tls-client-ca-file), with --url-key-file.
+    #[arg(long, value_name = "PATH", requires_all = ["url", "url_key_file"])]
+    pub url_cert_file: Option<PathBuf>,
+
+    /// The client certificate's private key (PEM).
+    #[arg(long, value_name = "PATH", requires_all = ["url", "url_cert_file"])]
+    pub url_key_file: Option<PathBuf>,
 
     /// With --url: the file holding idemstore's shared secret (default: $IDEMSTORE_SECRET_FILE,
     /// or the secret itself in $IDEMSTORE_SECRET).
@@ -231,7 +246,7 @@ pub async fn execute(command: &Records, env: impl Fn(&str) -> Option<String>) ->
         }
         Where::Idemstore(url) => {
             let secret = secret(target, &env)?;
-            perform(&HttpStore::new(&url, secret, timeout)?, command).await
+            perform(&HttpStore::new(&url, target, secret, timeout)?, command).await
         }
     }
 }
@@ -373,6 +388,8 @@ impl<B: Backend> Admin for Direct<B> {
 struct HttpStore {
     /// `host:port`, to connect to and for the `host` header.
     authority: String,
+    /// For https://: the TLS client and the name idemstore's certificate must hold.
+    tls: Option<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>)>,
     /// The URL's path, without a trailing slash (idemstore behind a path prefix).
     base: String,
     secret: Option<Secret>,
@@ -380,24 +397,40 @@ struct HttpStore {
 }
 
 impl HttpStore {
-    fn new(url: &str, secret: Option<Secret>, timeout: Duration) -> Result<Self, Failure> {
+    fn new(url: &str, target: &Target, secret: Option<Secret>, timeout: Duration) -> Result<Self, Failure> {
         let uri: Uri = url.parse().map_err(|e| format!("--url {url}: {e}"))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(format!("--url {url}: idemstore speaks plain http://"));
+        let https = match uri.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => return Err(format!("--url {url}: http:// or https://")),
+        };
+        if !https && (target.url_ca_file.is_some() || target.url_cert_file.is_some()) {
+            return Err(format!("--url {url}: --url-ca-file and --url-cert-file need an https:// URL"));
         }
         let authority = uri.authority().ok_or_else(|| format!("--url {url}: no host"))?;
-        let authority = format!("{}:{}", authority.host(), authority.port_u16().unwrap_or(80));
-        Ok(Self { authority, base: uri.path().trim_end_matches('/').to_owned(), secret, timeout })
+        let host = authority.host().trim_start_matches('[').trim_end_matches(']').to_owned();
+        let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let authority = format!("{}:{port}", authority.host());
+        let tls = if https { Some(tls_client(target, &host)?) } else { None };
+        Ok(Self { authority, tls, base: uri.path().trim_end_matches('/').to_owned(), secret, timeout })
     }
 
     async fn call<T: DeserializeOwned>(&self, method: Method, path: &str) -> Result<T, Failure> {
-        let url = format!("http://{}{}{path}", self.authority, self.base);
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}{}{path}", self.authority, self.base);
         let exchange = async {
             let stream = TcpStream::connect(&self.authority).await.map_err(|e| format!("{url}: {e}"))?;
-            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-                .await
-                .map_err(|e| format!("{url}: {e}"))?;
-            tokio::spawn(conn);
+            let mut sender = match &self.tls {
+                None => handshake(stream).await,
+                Some((connector, name)) => {
+                    let stream = connector
+                        .connect(name.clone(), stream)
+                        .await
+                        .map_err(|e| format!("{url}: TLS handshake: {e}"))?;
+                    handshake(stream).await
+                }
+            }
+            .map_err(|e| format!("{url}: {e}"))?;
             let mut request = Request::builder()
                 .method(method)
                 .uri(format!("{}{path}", self.base))
@@ -406,7 +439,11 @@ impl HttpStore {
                 request = request.header(proto::HEADER_SECRET, secret.as_bytes());
             }
             let request = request.body(Empty::<Bytes>::new()).map_err(|e| format!("{url}: {e}"))?;
-            let response = sender.send_request(request).await.map_err(|e| format!("{url}: {e}"))?;
+            let response = sender.send_request(request).await.map_err(|e| {
+                // TLS 1.3 refuses a missing client certificate after the handshake: here.
+                let hint = if self.tls.is_some() { " (an idemstore that requires a client certificate refuses a client without one: --url-cert-file)" } else { "" };
+                format!("{url}: {e}{hint}")
+            })?;
             let status = response.status();
             let body = response.into_body().collect().await.map_err(|e| format!("{url}: {e}"))?.to_bytes();
             Ok::<_, Failure>((status, body))
@@ -427,6 +464,56 @@ impl HttpStore {
             _ => Err(format!("{url}: {status}: {}", text.trim())),
         }
     }
+}
+
+/// An HTTP/1.1 client on `io`, its connection driven in the background.
+async fn handshake<IO>(io: IO) -> hyper::Result<hyper::client::conn::http1::SendRequest<Empty<Bytes>>>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
+    tokio::spawn(conn);
+    Ok(sender)
+}
+
+/// The TLS client of an https:// --url: idemstore's certificate verified for `host` against
+/// --url-ca-file (else the system's roots), the client certificate sent if given.
+fn tls_client(
+    target: &Target,
+    host: &str,
+) -> Result<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>), Failure> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    let certs = |path: &PathBuf, flag: &str| {
+        CertificateDer::pem_file_iter(path)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| format!("{flag} {}: {e}", path.display()))
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    match &target.url_ca_file {
+        Some(path) => {
+            for cert in certs(path, "--url-ca-file")? {
+                roots.add(cert).map_err(|e| format!("--url-ca-file {}: {e}", path.display()))?;
+            }
+        }
+        None => {
+            let native = rustls_native_certs::load_native_certs();
+            roots.add_parsable_certificates(native.certs);
+        }
+    }
+    let builder = rustls::ClientConfig::builder().with_root_certificates(roots);
+    let config = match (&target.url_cert_file, &target.url_key_file) {
+        (Some(cert), Some(key)) => {
+            let key = PrivateKeyDer::from_pem_file(key)
+                .map_err(|e| format!("--url-key-file {}: {e}", key.display()))?;
+            builder
+                .with_client_auth_cert(certs(cert, "--url-cert-file")?, key)
+                .map_err(|e| format!("--url-cert-file: {e}"))?
+        }
+        _ => builder.with_no_client_auth(),
+    };
+    let name = ServerName::try_from(host.to_owned()).map_err(|e| format!("--url: {host}: {e}"))?;
+    Ok((tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)), name))
 }
 
 impl Admin for HttpStore {
@@ -755,11 +842,24 @@ mod tests {
 
     #[test]
     fn urls() {
-        let s = HttpStore::new("http://idemstore:8380/", None, Duration::from_secs(1)).unwrap();
-        assert_eq!((s.authority.as_str(), s.base.as_str()), ("idemstore:8380", ""));
-        let s = HttpStore::new("http://10.0.0.1/store", None, Duration::from_secs(1)).unwrap();
+        let Records::Count(c) = parse(&["count", "--url", "http://x"]).unwrap() else { panic!() };
+        let plain = c.target;
+        let new = |url: &str, target: &Target| HttpStore::new(url, target, None, Duration::from_secs(1));
+        let s = new("http://idemstore:8380/", &plain).unwrap();
+        assert_eq!((s.authority.as_str(), s.base.as_str(), s.tls.is_some()), ("idemstore:8380", "", false));
+        let s = new("http://10.0.0.1/store", &plain).unwrap();
         assert_eq!((s.authority.as_str(), s.base.as_str()), ("10.0.0.1:80", "/store"));
-        assert!(HttpStore::new("https://idemstore:8380", None, Duration::from_secs(1)).is_err());
-        assert!(HttpStore::new("idemstore:8380", None, Duration::from_secs(1)).is_err());
+        // https: the system's roots unless --url-ca-file; the certificate must name the host.
+        let s = new("https://idemstore:8380", &plain).unwrap();
+        assert_eq!((s.authority.as_str(), s.tls.is_some()), ("idemstore:8380", true));
+        assert_eq!(new("https://idemstore", &plain).unwrap().authority, "idemstore:443");
+        assert!(new("idemstore:8380", &plain).is_err());
+        assert!(new("ftp://idemstore", &plain).is_err());
+        let Records::Count(c) = parse(&["count", "--url", "http://x", "--url-ca-file", "/ca.pem"]).unwrap()
+        else {
+            panic!()
+        };
+        assert!(new("http://idemstore", &c.target).err().unwrap().contains("https://"));
+        assert!(new("https://idemstore", &c.target).err().unwrap().contains("--url-ca-file /ca.pem"));
     }
 }

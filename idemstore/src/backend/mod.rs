@@ -69,8 +69,8 @@ const REFUSALS_KEPT: usize = 32;
 
 impl BackendError {
     /// Logs a failed `what` (an operation, the health check): an outage as a warning each time;
-    /// a refusal once, as an error naming the cause, until [`recovered`] says the backend
-    /// answers again.
+    /// a refusal once, as an error naming the cause, until a health check passes again after
+    /// failing ([`health_checked`]).
     pub fn log(&self, what: &str) {
         let Self::Refused(why) = self else {
             tracing::warn!(error = %self, "{what} failed");
@@ -95,13 +95,34 @@ impl BackendError {
     }
 }
 
-/// The backend answered a health check: refusals logged before are logged again if they come
-/// back. Says so once when refusals had been logged.
-pub fn recovered() {
-    if let Ok(mut seen) = REFUSALS_LOGGED.lock() {
-        if !seen.is_empty() {
-            seen.clear();
-            tracing::info!("the backend accepts idemstore again");
+/// Whether the last health check failed: an outage is logged when it starts and when it ends,
+/// not at every check in between (Envoy checks each idemstore several times a second).
+static HEALTH_FAILING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Logs what a health check found, as a change: the first failure (a refusal once per cause,
+/// see [`BackendError::log`]) and the recovery; refusals logged before the recovery are logged
+/// again if they come back.
+pub fn health_checked(result: &Result<()>) {
+    use std::sync::atomic::Ordering;
+    match result {
+        Ok(()) => {
+            if HEALTH_FAILING.swap(false, Ordering::Relaxed) {
+                if let Ok(mut seen) = REFUSALS_LOGGED.lock() {
+                    seen.clear();
+                }
+                tracing::info!("the backend answers health checks again");
+            }
+        }
+        Err(refused @ BackendError::Refused(_)) => {
+            HEALTH_FAILING.store(true, Ordering::Relaxed);
+            refused.log("health check");
+        }
+        Err(e) => {
+            if HEALTH_FAILING.swap(true, Ordering::Relaxed) {
+                tracing::debug!(error = %e, "health check failed again");
+            } else {
+                tracing::warn!(error = %e, "health check failed (logged again when it passes)");
+            }
         }
     }
 }

@@ -69,6 +69,14 @@ impl WakeNodes {
         }
     }
 
+    /// With Sentinel: changes when the master's connection is dropped.
+    fn master_changes(&self) -> Option<watch::Receiver<u64>> {
+        match self {
+            Self::Fixed(_) => None,
+            Self::Sentinel(sentinel) => Some(sentinel.master_changes()),
+        }
+    }
+
     fn count(&self) -> usize {
         match self {
             Self::Fixed(nodes) => nodes.len(),
@@ -119,6 +127,8 @@ async fn run(
         if waiters.strong_count() == 0 {
             return;
         }
+        // Taken before the master is asked for, so a change after that is seen.
+        let moved = nodes.master_changes();
         let picked = nodes.pick(next).await;
         next = next.wrapping_add(1);
         let subscribed = match picked {
@@ -142,7 +152,7 @@ async fn run(
                 local.wake_all();
                 drop(local);
                 let started = Instant::now();
-                let lost = listen(pubsub, &waiters, timeout).await;
+                let lost = listen(pubsub, &waiters, timeout, moved).await;
                 status.send_modify(|s| s.listening = false);
                 let Some(why) = lost else { return };
                 tracing::warn!(
@@ -208,7 +218,12 @@ async fn subscribe(node: &Client, channel: &str, timeout: Duration) -> Result<Pu
 
 /// Forwards wake-ups until the subscription fails (`Some(reason)`) or `waiters` is gone
 /// (`None`).
-async fn listen(pubsub: PubSub, waiters: &Weak<Waiters>, timeout: Duration) -> Option<String> {
+async fn listen(
+    pubsub: PubSub,
+    waiters: &Weak<Waiters>,
+    timeout: Duration,
+    moved: Option<watch::Receiver<u64>>,
+) -> Option<String> {
     let (mut sink, mut stream) = pubsub.split();
     let forward = async {
         while let Some(message) = stream.next().await {
@@ -232,9 +247,20 @@ async fn listen(pubsub: PubSub, waiters: &Weak<Waiters>, timeout: Duration) -> O
             }
         }
     };
+    // A subscription on a master that Sentinel replaced hears nothing published on the new one.
+    let master_moved = async {
+        match moved {
+            Some(mut moved) => {
+                let _ = moved.changed().await;
+                Some("the sentinels named another master".to_owned())
+            }
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         lost = forward => lost,
         lost = keepalive => lost,
+        lost = master_moved => lost,
     }
 }
 

@@ -277,6 +277,9 @@ fn refusal(e: &RedisError) -> Option<String> {
 }
 
 fn credentials(e: &RedisError) -> String {
+    if e.to_string().contains("sentinels refused") {
+        return format!("Redis Sentinel refused idemstore's credentials ({e})");
+    }
     format!(
         "Redis refused idemstore's credentials ({e}): check the user (--redis-username or the \
          URL's) and its password (--redis-password-file or IDEMSTORE_REDIS_PASSWORD)"

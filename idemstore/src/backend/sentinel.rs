@@ -1,6 +1,9 @@
 //! Redis through Sentinel: a connection to whichever master the sentinels name, asked again
-//! when the connection is lost or the node answers `READONLY` (it was demoted), so idemstore
-//! follows a failover without a restart. One multiplexed connection at a time, shared by
+//! when the connection is lost, when the node answers `READONLY` (it was demoted), or when the
+//! sentinels name another master (checked every [`MASTER_CHECK`]: after a failover that leaves
+//! the old master reachable, Sentinel reconfigures it as a replica only some seconds later, and
+//! writes that reach it meanwhile are lost in its resync), so idemstore follows a failover
+//! without a restart. One multiplexed connection at a time, shared by
 //! every request, as [`::redis::aio::ConnectionManager`] does for a fixed address; while there
 //! is none, the first request to need it asks the sentinels and the others wait for that
 //! answer rather than asking too.
@@ -8,8 +11,10 @@
 //! Used by [`super::redis`] (the backend's connection) and [`super::pubsub`] (the
 //! subscription follows the master too).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
+
+use tokio::sync::watch;
 
 use ::redis::aio::{ConnectionLike, MultiplexedConnection};
 use ::redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
@@ -21,6 +26,9 @@ use ::redis::{
 use super::access::Access;
 use super::BackendError;
 
+/// How often the sentinels are asked which node is the master.
+pub const MASTER_CHECK: Duration = Duration::from_millis(500);
+
 #[derive(Clone)]
 pub struct SentinelConnection {
     shared: Arc<Shared>,
@@ -28,10 +36,21 @@ pub struct SentinelConnection {
 
 struct Shared {
     sentinel: tokio::sync::Mutex<SentinelClient>,
-    /// The master's connection, with the generation it was made in: a request that saw it
-    /// fail drops it only if nobody replaced it since.
-    current: Mutex<Option<(u64, MultiplexedConnection)>>,
+    master: String,
+    /// The master's connection: a request that saw it fail drops it only if nobody replaced it
+    /// since.
+    current: Mutex<Option<Current>>,
     config: AsyncConnectionConfig,
+    /// Bumped whenever the master's connection is dropped: the wake-up subscription moves too.
+    dropped: watch::Sender<u64>,
+}
+
+#[derive(Clone)]
+struct Current {
+    generation: u64,
+    /// The master's address as the sentinels gave it.
+    addr: (String, u16),
+    conn: MultiplexedConnection,
 }
 
 impl SentinelConnection {
@@ -89,13 +108,23 @@ impl SentinelConnection {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout));
-        Ok(Self {
-            shared: Arc::new(Shared {
-                sentinel: tokio::sync::Mutex::new(client),
-                current: Mutex::new(None),
-                config,
-            }),
-        })
+        let shared = Arc::new(Shared {
+            sentinel: tokio::sync::Mutex::new(client),
+            master: master.to_owned(),
+            current: Mutex::new(None),
+            config,
+            dropped: watch::Sender::new(0),
+        });
+        // Without a runtime (a unit test) only the checks on errors remain.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(watch_master(Arc::downgrade(&shared)));
+        }
+        Ok(Self { shared })
+    }
+
+    /// Changes whenever the master's connection is dropped (lost, demoted or replaced).
+    pub fn master_changes(&self) -> watch::Receiver<u64> {
+        self.shared.dropped.subscribe()
     }
 
     /// A client of the master the sentinels name now.
@@ -104,7 +133,7 @@ impl SentinelConnection {
     }
 
     fn current(&self) -> Option<(u64, MultiplexedConnection)> {
-        self.shared.current.lock().ok().and_then(|c| c.clone())
+        self.shared.current.lock().ok().and_then(|c| c.as_ref().map(|c| (c.generation, c.conn.clone())))
     }
 
     /// The master's connection, asking the sentinels for the master when there is none.
@@ -117,11 +146,17 @@ impl SentinelConnection {
         if let Some(found) = self.current() {
             return Ok(found);
         }
-        let client = sentinel.async_get_client().await?;
+        let client = sentinel.async_get_client().await.map_err(from_sentinels)?;
+        let addr = match client.get_connection_info().addr() {
+            ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+                (host.clone(), *port)
+            }
+            other => (other.to_string(), 0),
+        };
         let conn = client.get_multiplexed_async_connection_with_config(&self.shared.config).await?;
         let mut current = self.shared.current.lock().map_err(|_| poisoned())?;
-        let generation = current.as_ref().map_or(0, |(g, _)| g + 1);
-        *current = Some((generation, conn.clone()));
+        let generation = *self.shared.dropped.borrow();
+        *current = Some(Current { generation, addr, conn: conn.clone() });
         Ok((generation, conn))
     }
 
@@ -134,12 +169,59 @@ impl SentinelConnection {
             || e.is_timeout()
             || e.is_unrecoverable_error()
         {
-            if let Ok(mut current) = self.shared.current.lock() {
-                if current.as_ref().is_some_and(|(g, _)| *g == generation) {
-                    *current = None;
-                }
-            }
+            self.shared.drop_if(|c| c.generation == generation);
         }
+    }
+}
+
+impl Shared {
+    /// Drops the master's connection if `stale` says so; the next request asks the sentinels.
+    fn drop_if(&self, stale: impl FnOnce(&Current) -> bool) {
+        let Ok(mut current) = self.current.lock() else { return };
+        if current.as_ref().is_some_and(stale) {
+            *current = None;
+            self.dropped.send_modify(|g| *g += 1);
+        }
+    }
+}
+
+/// Asks a sentinel every [`MASTER_CHECK`] which node is the master, and drops the master's
+/// connection when it is another one. One connection to one sentinel, made again after an
+/// error; ends with the [`SentinelConnection`].
+async fn watch_master(shared: Weak<Shared>) {
+    let mut sentinel: Option<MultiplexedConnection> = None;
+    loop {
+        tokio::time::sleep(MASTER_CHECK).await;
+        let Some(live) = shared.upgrade() else { return };
+        if sentinel.is_none() {
+            let client = live.sentinel.lock().await.async_get_sentinel_client().await;
+            sentinel = match client {
+                Ok(client) => client.get_multiplexed_async_connection_with_config(&live.config).await.ok(),
+                Err(_) => None,
+            };
+        }
+        let Some(conn) = sentinel.as_mut() else { continue };
+        let mut ask = ::redis::cmd("SENTINEL");
+        ask.arg("GET-MASTER-ADDR-BY-NAME").arg(&live.master);
+        match ask.query_async::<Option<(String, u16)>>(conn).await {
+            Ok(Some(named)) => live.drop_if(|c| c.addr != named),
+            Ok(None) => {}
+            Err(_) => sentinel = None,
+        }
+    }
+}
+
+/// An error from asking the sentinels, said to be theirs (their credentials are not the
+/// master's).
+fn from_sentinels(e: RedisError) -> RedisError {
+    match e.code() {
+        Some("NOAUTH" | "WRONGPASS") => RedisError::from((
+            ::redis::ErrorKind::AuthenticationFailed,
+            "the sentinels refused the credentials (--redis-sentinel-username, \
+             --redis-sentinel-password-file or IDEMSTORE_REDIS_SENTINEL_PASSWORD)",
+            e.to_string(),
+        )),
+        _ => e,
     }
 }
 
