@@ -181,3 +181,29 @@ async fn reload(files: TlsFiles, config: Arc<RwLock<Arc<ServerConfig>>>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(dir: &Path) -> TlsFiles {
+        TlsFiles { cert: dir.join("cert.pem"), key: dir.join("key.pem"), client_ca: Some(dir.join("ca.pem")) }
+    }
+
+    #[test]
+    fn bad_files_are_named_by_their_flag() {
+        let dir = std::env::temp_dir().join(format!("idem-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = files(&dir);
+        let e = f.load().unwrap_err();
+        assert!(e.starts_with("--tls-cert-file"), "{e}");
+        std::fs::write(&f.cert, "not a certificate\n").unwrap();
+        let e = f.load().unwrap_err();
+        assert!(e.contains("--tls-cert-file") && e.contains("no certificate"), "{e}");
+        // A change of size or time is what the reload looks for.
+        let before = f.stamp();
+        std::fs::write(&f.cert, "still not a certificate\n").unwrap();
+        assert_ne!(before, f.stamp());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
