@@ -406,35 +406,34 @@ fn scan_cmd(cursor: u64, pattern: &str) -> ::redis::Cmd {
     cmd
 }
 
-impl Scan for ConnectionManager {
-    async fn nodes(&mut self) -> RedisResult<Vec<Node>> {
-        Ok(vec![Node::This])
-    }
+/// One server holds every key (standalone Redis, the master Sentinel names): `SCAN` and
+/// `PING` go to it as they are.
+macro_rules! one_server {
+    ($($conn:ty),+) => {$(
+        impl Scan for $conn {
+            async fn nodes(&mut self) -> RedisResult<Vec<Node>> {
+                Ok(vec![Node::This])
+            }
 
-    async fn scan_step(
-        &mut self,
-        _node: &Node,
-        cursor: u64,
-        pattern: &str,
-    ) -> RedisResult<(u64, Vec<Vec<u8>>)> {
-        scan_cmd(cursor, pattern).query_async(self).await
-    }
+            async fn scan_step(
+                &mut self,
+                _node: &Node,
+                cursor: u64,
+                pattern: &str,
+            ) -> RedisResult<(u64, Vec<Vec<u8>>)> {
+                scan_cmd(cursor, pattern).query_async(self).await
+            }
+        }
+
+        impl Ping for $conn {
+            async fn ping(&mut self) -> RedisResult<()> {
+                ::redis::cmd("PING").query_async::<String>(self).await.map(|_| ())
+            }
+        }
+    )+};
 }
 
-impl Scan for SentinelConnection {
-    async fn nodes(&mut self) -> RedisResult<Vec<Node>> {
-        Ok(vec![Node::This])
-    }
-
-    async fn scan_step(
-        &mut self,
-        _node: &Node,
-        cursor: u64,
-        pattern: &str,
-    ) -> RedisResult<(u64, Vec<Vec<u8>>)> {
-        scan_cmd(cursor, pattern).query_async(self).await
-    }
-}
+one_server!(ConnectionManager, SentinelConnection);
 
 impl Scan for ClusterConnection {
     /// Every master, by the address the client knows it by: a `PING` to all of them answers
@@ -491,18 +490,6 @@ impl Scan for ClusterConnection {
 /// How `/healthz` asks Redis whether it answers.
 pub trait Ping {
     fn ping(&mut self) -> impl std::future::Future<Output = RedisResult<()>> + Send;
-}
-
-impl Ping for ConnectionManager {
-    async fn ping(&mut self) -> RedisResult<()> {
-        ::redis::cmd("PING").query_async::<String>(self).await.map(|_| ())
-    }
-}
-
-impl Ping for SentinelConnection {
-    async fn ping(&mut self) -> RedisResult<()> {
-        ::redis::cmd("PING").query_async::<String>(self).await.map(|_| ())
-    }
 }
 
 impl Ping for ClusterConnection {
