@@ -243,6 +243,11 @@ clippy-wasm: clippy-component wasm-target
 # The whole suite runs on the filter's default store transport (the store stream); the contract,
 # drill and replica suites (E2E_CALLOUT_TESTS) run again on HTTP callouts
 # (IDEM_STORE_TRANSPORT=callout, see tests/support/harness.py), unless E2E_TESTS narrows the run.
+# That second pass also secures the stores (IDEM_SECURE_STORE=1, tests/support/secure.py): the
+# contract stacks' idemstore listens on TLS requiring client certificates (the Envoys present
+# one) and reaches a TLS-only Redis as the ACL user of docs/security.md with a key prefix; the
+# replica tests run on a Redis Cluster over TLS. The drill and freeze tests start their own plain
+# stores (the shipped envoy.yaml, store doubles) and run as in the first pass.
 E2E_CALLOUT_TESTS ?= tests/contract tests/failures/test_drills.py tests/failures/test_replicas.py \
   tests/failures/test_store_freeze.py
 e2e: build envoy venv redis promtool
@@ -250,9 +255,9 @@ e2e: build envoy venv redis promtool
 	  REDIS_SERVER="$$($(REDIS_FIND))" $(IMAGE_TEST_ENV) \
 	  timeout --kill-after=10 900 "$(TEST_PYTHON)" -m pytest $(E2E_TESTS) $(PYTEST_ARGS)
 	if [ "$(E2E_TESTS)" = tests ]; then \
-	  echo "==> the contract, drill and replica suites on store_transport: callout"; \
+	  echo "==> the contract, drill and replica suites on store_transport: callout, secured stores"; \
 	  FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
-	    REDIS_SERVER="$$($(REDIS_FIND))" IDEM_STORE_TRANSPORT=callout \
+	    REDIS_SERVER="$$($(REDIS_FIND))" IDEM_STORE_TRANSPORT=callout IDEM_SECURE_STORE=1 \
 	    timeout --kill-after=10 600 "$(TEST_PYTHON)" -m pytest $(E2E_CALLOUT_TESTS) $(PYTEST_ARGS); \
 	fi
 
@@ -376,9 +381,12 @@ echo "  $(IMAGES_DIR)/$(1).tar  docker-archive, $$(( $$(stat -c %s "$(IMAGES_DIR
 endef
 
 # idemstore for its image, a static executable: Rust's musl targets link the musl libc rustup
-# ships, statically (no C compiler or musl-tools: idemstore's dependencies have no C code).
+# ships, statically. The one C dependency, ring (rustls's cryptography), is freestanding code
+# that the host's cc compiles for the musl target (cc-rs would look for a musl-gcc that no
+# package here provides).
+MUSL_CC_VAR := CC_$(subst -,_,$(MUSL_TARGET))
 build-idemstore-static: musl-target
-	$(CARGO) build --release --target $(MUSL_TARGET) -p idemstore
+	$(MUSL_CC_VAR)="$${$(MUSL_CC_VAR):-cc}" $(CARGO) build --release --target $(MUSL_TARGET) -p idemstore
 
 image: build-wasm build-idemstore-static image-tools
 	@stage="$(IMAGES_DIR)/.idempotency-filter.rootfs"; rm -rf "$$stage"; \

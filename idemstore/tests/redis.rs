@@ -43,11 +43,11 @@ impl RedisServer {
         server
     }
 
-    fn backend(&self) -> RedisBackend<redis::aio::ConnectionManager> {
+    fn backend(&self) -> RedisBackend<idemstore::backend::redis::Standalone> {
         RedisBackend::standalone(&self.url, Duration::from_secs(2)).unwrap()
     }
 
-    fn store(&self) -> Store<RedisBackend<redis::aio::ConnectionManager>> {
+    fn store(&self) -> Store<RedisBackend<idemstore::backend::redis::Standalone>> {
         Store::new(self.backend())
     }
 
@@ -66,7 +66,7 @@ impl RedisServer {
     }
 }
 
-type StandaloneBackend = RedisBackend<redis::aio::ConnectionManager>;
+type StandaloneBackend = RedisBackend<idemstore::backend::redis::Standalone>;
 
 /// Pub/sub clients connected to the server.
 async fn pubsub_clients(conn: &mut redis::aio::MultiplexedConnection) -> usize {

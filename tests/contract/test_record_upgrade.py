@@ -34,8 +34,17 @@ def first_format(status: int, headers: list[tuple[str, str]], body: bytes) -> by
 
 
 def redis_port(stack) -> int:
+    """The stack's Redis port: its TLS port on a secured store (IDEM_SECURE_STORE), where
+    `command` speaks TLS as the admin."""
     argv = stack.redis.argv
-    return int(argv[argv.index("--port") + 1])
+    flag = "--tls-port" if "--tls-port" in argv else "--port"
+    return int(argv[argv.index(flag) + 1])
+
+
+def key_prefix(stack) -> str:
+    """idemstore's `--key-prefix` (a secured store has one), else none."""
+    argv = stack.idemstore.argv
+    return argv[argv.index("--key-prefix") + 1] if "--key-prefix" in argv else ""
 
 
 def put_record(stack, key: str, request_body: bytes, record: bytes) -> None:
@@ -43,7 +52,7 @@ def put_record(stack, key: str, request_body: bytes, record: bytes) -> None:
     it: the request body's SHA-256 in hex, then the record's bytes."""
     sk = store_key("anon:127.0.0.1", "POST", "orders", key)
     value = hashlib.sha256(request_body).hexdigest().encode() + record
-    assert command(redis_port(stack), "SET", f"idem:{{{sk}}}:r", value, "PX", 60000) == "OK"
+    assert command(redis_port(stack), "SET", f"{key_prefix(stack)}idem:{{{sk}}}:r", value, "PX", 60000) == "OK"
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from support import harness as h
 from support import redis_cluster as rc
 from support.burst import assert_exactly_once, fire
 from support.checks import assert_problem
-from support.replicas import totals, wait_totals
+from support.replicas import totals, wait_settled, wait_totals
 
 STORE_KEY_HEADER = "x-idempotency-store-key"
 PLUGIN = {"store_key_header": STORE_KEY_HEADER}
@@ -70,21 +70,6 @@ def locks_left(cluster: rc.RedisCluster, store_keys) -> list[str]:
     for port in cluster.master_ports():
         left += [k for k in cluster.store_keys(port, "idem:*:l") if k[len("idem:{"):-len("}:l")] in wanted]
     return left
-
-
-def wait_settled(rs, names=("stored", "commit_failed", "released", "handed_back"), quiet: float = 0.5,
-                 timeout: float = 10.0) -> dict[str, int]:
-    """Commits land after the responses: until the summed counters stop moving for `quiet` s."""
-    deadline = time.monotonic() + timeout
-    last, since = None, time.monotonic()
-    while time.monotonic() < deadline:
-        now = {n: rs.counter_total(n) for n in names}
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet:
-            break
-        time.sleep(0.05)
-    return totals(rs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from support import harness as h
 from support import sentinel as sn
 from support.burst import assert_exactly_once, fire
 from support.checks import REPLAY, assert_executed, assert_problem, assert_replay_of
-from support.replicas import LISTENER, ReplicaSet, plugin_config, totals, wait_totals
+from support.replicas import LISTENER, ReplicaSet, plugin_config, totals, wait_settled, wait_totals
 
 STORE_KEY_HEADER = "x-idempotency-store-key"
 PLUGIN = {"store_key_header": STORE_KEY_HEADER}
@@ -344,21 +344,6 @@ def record_key(store_key: str) -> str:
     return f"idem:{{{store_key}}}:r"
 
 
-def settle(rs: ReplicaSet, quiet: float = 0.5, timeout: float = 10.0) -> dict[str, int]:
-    """Commits and hand-backs land after the answers: until the counters stop moving."""
-    names = ("stored", "commit_failed", "released", "handed_back")
-    deadline = time.monotonic() + timeout
-    last, since = None, time.monotonic()
-    while time.monotonic() < deadline:
-        now = {n: rs.counter_total(n) for n in names}
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet:
-            break
-        time.sleep(0.05)
-    return totals(rs)
-
-
 def ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds:.2f}s"
 
@@ -413,7 +398,7 @@ def test_sentinel_master_killed_under_load(sentinel_stack, upstream, run_dir, no
             time.sleep(max(0.0, back + 1.5 - time.monotonic()))
         finally:
             load.stop()
-        after = settle(rs)
+        after = wait_settled(rs)
     failed_over = killed + failover_s
     assert new_master == s.first_replica, s.describe()
 
@@ -684,7 +669,7 @@ def test_sentinel_old_master_returns_and_fails_back(sentinel_stack, upstream, no
     finally:
         load.stop()
     b_role, b_role_at = s.role(b), time.monotonic() - switched
-    after = settle(st.rs)
+    after = wait_settled(st.rs)
     followed = next((t0 for t0, where in probes if where == [a]), None)
     follow_s = None if followed is None else followed - switched
     on_b = sum(1 for _, where in probes if where == [b])

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -293,8 +294,19 @@ def tcp_accepts(port: int, host: str = LOOPBACK) -> bool:
         return True
 
 
+def http_connection(port: int, host: str = LOOPBACK, timeout: float = 1.0,
+                    source_address: tuple[str, int] | None = None) -> http.client.HTTPConnection:
+    """An HTTP/1.1 connection to `port`: HTTPS with a client certificate when an idemstore with
+    a TLS listener serves there (`serve_tls`), plain otherwise."""
+    tls = store_tls(port)
+    if tls is not None:
+        return http.client.HTTPSConnection(host, port, timeout=timeout, source_address=source_address,
+                                           context=tls.ssl_context())
+    return http.client.HTTPConnection(host, port, timeout=timeout, source_address=source_address)
+
+
 def http_get_status(port: int, path: str, host: str = LOOPBACK, timeout: float = 1.0) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn = http_connection(port, host, timeout)
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -348,6 +360,68 @@ def start_idemstore(run_dir: Path, redis_url: str | None = None, port: int | Non
     proc, port = spawn_idemstore(run_dir, redis_url, port, name)
     await_idemstore(proc, port)
     return proc, port
+
+
+# --------------------------------------------------------------------------------------------
+# idemstores behind TLS (IDEM_SECURE_STORE; support/secure.py starts them)
+# --------------------------------------------------------------------------------------------
+
+
+def secure_store() -> bool:
+    """`IDEM_SECURE_STORE=1`: the standard stacks (`stack.start_backend`) and the replica sets
+    (`replicas.start_replica_set`, backend "redis") run their stores secured: idemstore's listener
+    on TLS requiring client certificates, and its Redis on TLS only with the documented ACL user
+    and a key prefix (support/secure.py). `make e2e` runs the callout pass that way."""
+    value = os.environ.get("IDEM_SECURE_STORE") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"IDEM_SECURE_STORE={value!r}: 0 or 1")
+    return value == "1"
+
+
+@dataclass(frozen=True)
+class StoreTls:
+    """What a client of an idemstore whose listener speaks TLS and requires client certificates
+    needs: the CA that signed idemstore's certificate, and a client certificate it accepts."""
+    ca: Path
+    cert: Path
+    key: Path
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.load_cert_chain(str(self.cert), str(self.key))
+        return ctx
+
+    def transport_socket(self) -> dict:
+        """The store cluster's: idemstore's certificate (and its IP SAN) verified, the client
+        certificate sent. (Envoy offers ALPN h2 itself on an HTTP/2 cluster.)"""
+        from . import pki  # cryptography: only where TLS stores are made
+
+        return pki.upstream_tls(self.ca, pki.Cert(self.cert, self.key))
+
+
+# port -> the TLS of the idemstore listening there: every client the harness makes for that port
+# (readiness, /metrics, `request`, the Envoys' store cluster) speaks TLS with the client
+# certificate; everything else stays plain. Ports are never reused within a run (`free_port`).
+_TLS_STORES: dict[int, StoreTls] = {}
+
+
+def serve_tls(port: int, tls: StoreTls) -> None:
+    _TLS_STORES[port] = tls
+
+
+def store_tls(port: int) -> StoreTls | None:
+    return _TLS_STORES.get(port)
+
+
+def store_transport_socket(ports: int | list[int]) -> dict | None:
+    """The transport socket a cluster of these idemstore ports needs: TLS if they serve TLS
+    (all of them, with one CA and client certificate), None if none does."""
+    tls = {store_tls(p) for p in (ports if isinstance(ports, (list, tuple)) else [ports])}
+    if tls == {None}:
+        return None
+    if len(tls) != 1:
+        raise HarnessError(f"store ports {ports} mix TLS and plain idemstores, or several CAs")
+    return tls.pop().transport_socket()
 
 
 def start_upstream(run_dir: Path) -> tuple[Proc, int]:
@@ -632,7 +706,7 @@ def store_cluster(ports: int | list[int], name: str = "idemstore", health_check:
     healthy idemstore, store calls fail at once and the filter fails open, instead of going to
     an idemstore that is known to be broken) and no update merge window (a health change
     reaches the workers at once, not up to 1 s later); off by default, as the suite ran before
-    it."""
+    it. Toward idemstores serving TLS (`serve_tls`) it carries their client certificate."""
     c = static_cluster(name, ports, http2=True, connect_timeout="0.25s")
     opts = c["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     # As shipped: HTTP/2 pings find a store that stopped answering on a quiet connection.
@@ -648,6 +722,13 @@ def store_cluster(ports: int | list[int], name: str = "idemstore", health_check:
         c["health_checks"] = [store_health_check()]
         c["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}, "update_merge_window": "0s"}
         c["close_connections_on_host_health_failure"] = True
+    # idemstores with a TLS listener (IDEM_SECURE_STORE): mutual TLS, HTTP/2 all the same.
+    tls = store_transport_socket(ports)
+    if tls is not None:
+        c["transport_socket"] = tls
+        # The connect timeout covers the TLS handshake too: 0.25 s failed handshakes on a
+        # loaded 2-core machine (as the shipped config's TLS block says).
+        c["connect_timeout"] = "1s"
     return c
 
 
@@ -836,8 +917,7 @@ class Response:
 
 def _start_request(port, method, path, headers, source, timeout, host) -> http.client.HTTPConnection:
     """A fresh connection with the request line and `headers` sent, the body still to come."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout,
-                                      source_address=(source, 0) if source else None)
+    conn = http_connection(port, host, timeout, (source, 0) if source else None)
     try:
         conn.connect()
         # http.client writes the headers and the body separately: without TCP_NODELAY the body

@@ -4,7 +4,6 @@ flight) first. Used by test_metrics_idemstore.py and test_record_cache.py."""
 
 from __future__ import annotations
 
-import http.client
 import math
 import re
 import time
@@ -73,7 +72,7 @@ class Scrape:
 
 
 def scrape(port: int) -> Scrape:
-    conn = http.client.HTTPConnection(h.LOOPBACK, port, timeout=5)
+    conn = h.http_connection(port, timeout=5)  # HTTPS to a TLS idemstore (IDEM_SECURE_STORE)
     try:
         conn.request("GET", "/metrics")  # no x-idem-secret: /metrics needs none
         resp = conn.getresponse()

@@ -18,6 +18,12 @@ the harness (`harness.start`); `kill(port)` is SIGKILL for fault drills.
 Commands go over a tiny RESP2 client (`command(port, "CLUSTER", "NODES")`), one connection per
 command, every wait bounded. The cluster bus of a node listens on port + 10000, so ports are
 picked at most 55535 with both the port and its bus port free.
+
+Over TLS: `start_cluster(..., tls=RedisTls(...))` starts every node with its TLS port only (plain
+port 0; the cluster bus and replication over TLS too, client certificates required) and an admin
+password; `command` reaches any port registered with `serve_access` (the cluster's nodes are) over
+TLS with the admin's client certificate and AUTH, so every helper here works the same on either.
+`support/secure.py` makes the certificates and the ACL user.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -39,6 +46,66 @@ NODE_TIMEOUT_MS = 1000
 
 class RedisError(RuntimeError):
     """An error reply (`-ERR ...`) from Redis."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """How the tests' own connections reach a Redis: plain TCP (the default), or TLS with `tls`
+    (which verifies the server and may carry a client certificate), then AUTH when `password`
+    is set (as `username`, else the default user)."""
+    tls: ssl.SSLContext | None = None
+    username: str | None = None
+    password: str | None = None
+
+
+PLAIN = Access()
+# port -> how to reach it, for Redis servers that are not plain and open (`serve_access`).
+_ACCESS: dict[int, Access] = {}
+
+
+def serve_access(port: int, access: Access) -> None:
+    """From now on `command(port, ...)` connects as `access` says (ports are never reused within
+    a run: `harness.free_port`)."""
+    _ACCESS[port] = access
+
+
+def access_of(port: int) -> Access:
+    return _ACCESS.get(port, PLAIN)
+
+
+@dataclass(frozen=True)
+class RedisTls:
+    """A Redis that listens on TLS only: its certificate (`cert`/`key`, also its client
+    certificate on the cluster bus and replication links: server and client usage), the CA
+    that verifies everyone, whether clients must present a certificate, the default user's
+    password (`requirepass`, also `masterauth`), and the tests' admin client certificate."""
+    ca: Path
+    cert: Path
+    key: Path
+    admin_cert: Path
+    admin_key: Path
+    password: str
+    auth_clients: bool = True
+
+    def server_args(self, port: int) -> list[str]:
+        return ["--port", "0", "--tls-port", str(port),
+                "--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
+                "--tls-ca-cert-file", str(self.ca),
+                "--tls-auth-clients", "yes" if self.auth_clients else "no",
+                "--requirepass", self.password, "--masterauth", self.password]
+
+    def cluster_args(self) -> list[str]:
+        return ["--tls-cluster", "yes", "--tls-replication", "yes"]
+
+    def cli_args(self) -> list[str]:
+        """redis-cli's: TLS with the admin certificate, the admin password."""
+        return ["--tls", "--cacert", str(self.ca), "--cert", str(self.admin_cert), "--key", str(self.admin_key),
+                "-a", self.password, "--no-auth-warning"]
+
+    def access(self) -> Access:
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.load_cert_chain(str(self.admin_cert), str(self.admin_key))
+        return Access(tls=ctx, password=self.password)
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,16 +165,41 @@ class _Reader:
         raise ValueError(f"unexpected RESP line {line!r}")
 
 
-def command(port: int, *args, timeout: float = 2.0, host: str = h.LOOPBACK):
-    """One command on a fresh connection; bulk strings come back as bytes, an error reply raises
-    `RedisError`, a dead node `OSError`."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.settimeout(timeout)
+def connect(port: int, access: Access | None = None, timeout: float = 2.0, host: str = h.LOOPBACK) -> socket.socket:
+    """A connection to the Redis on `port`, as `access` (default: as registered for the port)
+    says: TLS handshake done, AUTH answered (a refused AUTH raises `RedisError`)."""
+    access = access or access_of(port)
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        sock.settimeout(timeout)
+        if access.tls is not None:
+            sock = access.tls.wrap_socket(sock, server_hostname=host)
+        if access.password is not None:
+            auth = ("AUTH", access.username, access.password) if access.username else ("AUTH", access.password)
+            sock.sendall(_encode(auth))
+            reply = _Reader(sock).reply()
+            if isinstance(reply, RedisError):
+                raise reply
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def command(port: int, *args, timeout: float = 2.0, host: str = h.LOOPBACK, access: Access | None = None):
+    """One command on a fresh connection (as `access`, default: as registered for the port,
+    else plain); bulk strings come back as bytes, an error reply raises `RedisError`, a dead
+    node `OSError`."""
+    with connect(port, access, timeout, host) as s:
         s.sendall(_encode(args))
         reply = _Reader(s).reply()
     if isinstance(reply, RedisError):
         raise reply
     return reply
+
+
+def ping(port: int) -> bool:
+    return command(port, "PING", timeout=0.5) == "PONG"
 
 
 def text(port: int, *args, timeout: float = 2.0) -> str:
@@ -218,6 +310,7 @@ def parse_nodes(raw: str) -> list[NodeView]:
 class RedisCluster:
     run_dir: Path
     nodes: dict[int, h.Proc] = field(default_factory=dict)   # port -> process
+    tls: RedisTls | None = None
     killed: dict[int, float] = field(default_factory=dict)   # port -> time.monotonic() of the kill
     # What a master served and who replicated it, remembered before it is killed.
     _slots_before_kill: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
@@ -232,9 +325,11 @@ class RedisCluster:
     def alive_ports(self) -> list[int]:
         return [p for p, proc in self.nodes.items() if proc.alive() and p not in self.killed]
 
-    def urls(self) -> list[str]:
-        """Every node, as idemstore's `--redis-cluster` takes them."""
-        return [f"redis://{h.LOOPBACK}:{p}" for p in self.ports]
+    def urls(self, user: str | None = None) -> list[str]:
+        """Every node, as idemstore's `--redis-cluster` takes them (`rediss://` over TLS)."""
+        scheme = "rediss" if self.tls is not None else "redis"
+        at = f"{user}@" if user else ""
+        return [f"{scheme}://{at}{h.LOOPBACK}:{p}" for p in self.ports]
 
     def procs(self) -> list[h.Proc]:
         return list(self.nodes.values())
@@ -392,18 +487,26 @@ def redis_cli_bin() -> str:
     return found
 
 
-def start_cluster(run_dir: Path, masters: int = 3, replicas: int = 1, timeout: float = 30.0) -> RedisCluster:
-    """Start `masters * (1 + replicas)` cluster nodes, join them, wait until healthy.
-    On any failure everything started is stopped before the error is raised."""
+def start_cluster(run_dir: Path, masters: int = 3, replicas: int = 1, timeout: float = 30.0,
+                  tls: RedisTls | None = None) -> RedisCluster:
+    """Start `masters * (1 + replicas)` cluster nodes, join them, wait until healthy; with `tls`
+    on TLS ports only (clients, the cluster bus and replication). On any failure everything
+    started is stopped before the error is raised."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cluster = RedisCluster(run_dir)
+    cluster = RedisCluster(run_dir, tls=tls)
     count = masters * (1 + replicas)
     try:
         for _ in range(count):
             port = cluster_port()
             data = run_dir / f"node-{port}"
             data.mkdir(parents=True, exist_ok=True)
-            argv = [h.redis_bin(), "--port", str(port), "--bind", h.LOOPBACK, "--protected-mode", "no",
+            if tls is None:
+                listen = ["--port", str(port)]
+            else:
+                # The bus port of a TLS cluster is the TLS port + 10000, as cluster_port() keeps free.
+                listen = tls.server_args(port) + tls.cluster_args()
+                serve_access(port, tls.access())
+            argv = [h.redis_bin(), *listen, "--bind", h.LOOPBACK, "--protected-mode", "no",
                     "--daemonize", "no", "--dir", str(data),
                     "--cluster-enabled", "yes", "--cluster-config-file", str(data / f"nodes-{port}.conf"),
                     "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
@@ -412,8 +515,9 @@ def start_cluster(run_dir: Path, masters: int = 3, replicas: int = 1, timeout: f
                     "--repl-diskless-sync-delay", "0"]
             cluster.nodes[port] = h.start(f"redis-node-{port}", argv, run_dir)
         for port, proc in cluster.nodes.items():
-            h.wait_for(lambda p=port: h.redis_ping(p), f"redis node {port} PING", proc, timeout=timeout)
-        create = [redis_cli_bin(), "--cluster", "create", *(f"{h.LOOPBACK}:{p}" for p in cluster.ports),
+            h.wait_for(lambda p=port: ping(p), f"redis node {port} PING", proc, timeout=timeout)
+        create = [redis_cli_bin(), *(tls.cli_args() if tls else []),
+                  "--cluster", "create", *(f"{h.LOOPBACK}:{p}" for p in cluster.ports),
                   "--cluster-replicas", str(replicas), "--cluster-yes"]
         out = subprocess.run(create, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
         (run_dir / "cluster-create.log").write_bytes(b"$ " + " ".join(create).encode() + b"\n" + out.stdout + out.stderr)

@@ -24,7 +24,7 @@ stops everything at the end of the test and fails it on a wasm panic in any repl
 
 from __future__ import annotations
 
-import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,7 +57,7 @@ class ReplicaSet:
     redis: h.Proc | None = None
     redis_port: int | None = None
     proxy: h.Envoy | None = None  # the store-path delaying proxy, when asked for
-    cluster: redis_cluster.RedisCluster | None = None  # backend "cluster"
+    cluster: redis_cluster.RedisCluster | None = None  # backend "cluster" (or "redis" under IDEM_SECURE_STORE)
 
     # --- addressing ---------------------------------------------------------------------
 
@@ -155,11 +155,15 @@ def delay_proxy_config(admin_port: int, port: int, store_ports: list[int], delay
     ]
     # No fault at the filter level: only the route's per-filter config injects one.
     fault = {"name": "envoy.filters.http.fault", "typed_config": {"@type": HTTP_FAULT}}
+    # Toward idemstores on TLS (IDEM_SECURE_STORE) the proxy holds the client certificate; the
+    # filter Envoys reach the proxy itself in h2c.
+    upstream = h.static_cluster(STORE_CLUSTER, store_ports, http2=True, connect_timeout="0.25s",
+                                transport_socket=h.store_transport_socket(store_ports))
     return {
         "admin": {"address": {"socket_address": {"address": h.LOOPBACK, "port_value": admin_port}}},
         "static_resources": {
             "listeners": [h.listener("storeproxy", port, [fault], routes)],
-            "clusters": [h.static_cluster(STORE_CLUSTER, store_ports, http2=True, connect_timeout="0.25s")],
+            "clusters": [upstream],
         },
     }
 
@@ -187,6 +191,9 @@ def start_replica_set(run_dir: Path, upstream_port: int, *, envoys: int = 3, sto
 
     backend "cluster" starts a 6-node Redis Cluster (3 masters, 3 replicas; `rs.cluster`) and
     gives every idemstore all six nodes as `--redis-cluster` seeds.
+    Under IDEM_SECURE_STORE (`harness.secure_store`) backend "redis" runs on a Redis Cluster over
+    TLS instead (`rs.cluster`, client certificates required, the documented ACL user with a key
+    prefix; support/secure.py), and the idemstores' listeners on mutual TLS.
     backend "memory" means in-memory idemstores: each keeps its own state, so only `stores=1`
     gives the guarantee (the function does not refuse more: a test may want to show why).
     `store_cluster` is merged into the filter Envoys' `idemstore` cluster (e.g.
@@ -199,15 +206,21 @@ def start_replica_set(run_dir: Path, upstream_port: int, *, envoys: int = 3, sto
     wasm = wasm or h.wasm_path()
     rs = ReplicaSet(name, run_dir, backend, plugin_config(plugin), upstream_port)
     try:
-        redis_url = None
-        if backend == "redis":
-            rs.redis, rs.redis_port = h.start_redis(run_dir)
-            redis_url = f"redis://{h.LOOPBACK}:{rs.redis_port}"
-        if backend == "cluster":
+        if backend == "redis" and h.secure_store():
+            from . import secure  # cryptography: only for the secured stores
+
+            rs.cluster, redis_args, material = secure.start_tls_cluster(run_dir)
+            rs.stores = [secure.spawn_store(run_dir, material, redis_args, name=f"idemstore-{i}")
+                         for i in range(stores)]
+        elif backend == "cluster":
             rs.cluster = redis_cluster.start_cluster(run_dir / "cluster")
             rs.stores = [redis_cluster.spawn_idemstore(run_dir, rs.cluster.urls(), name=f"idemstore-{i}")
                          for i in range(stores)]
         else:
+            redis_url = None
+            if backend == "redis":
+                rs.redis, rs.redis_port = h.start_redis(run_dir)
+                redis_url = f"redis://{h.LOOPBACK}:{rs.redis_port}"
             rs.stores = [h.spawn_idemstore(run_dir, redis_url, name=f"idemstore-{i}") for i in range(stores)]
         for proc, port in rs.stores:
             h.await_idemstore(proc, port)
@@ -219,7 +232,7 @@ def start_replica_set(run_dir: Path, upstream_port: int, *, envoys: int = 3, sto
                                             log_level=log_level, concurrency=concurrency)
             h.await_envoy(rs.proxy, ready_timeout)
             store_targets = [port]
-        filters = {LISTENER: [h.wasm_filter(json.dumps(rs.plugin), wasm)]}
+        filters = {LISTENER: [h.wasm_filter(rs.plugin, wasm)]}
         hook = (lambda config: patch_store_cluster(config, store_cluster)) if store_cluster else None
         for i in range(envoys):
             rs.envoys.append(h.spawn_envoy(run_dir, f"envoy-{i}", filters, upstream_port, store_targets,
@@ -283,3 +296,19 @@ def totals(rs) -> dict[str, int]:
 def wait_totals(rs, name: str, at_least: int, timeout: float = 10.0) -> int:
     """Commits land after the responses: poll the summed counter."""
     return h.poll_until(lambda: rs.counter_total(name), at_least, timeout, interval=0.05)
+
+
+def wait_settled(rs, names=("stored", "commit_failed", "released", "handed_back"), quiet: float = 0.5,
+                 timeout: float = 10.0) -> dict[str, int]:
+    """Commits and hand-backs land after the answers: until the summed counters stop moving for
+    `quiet` s; then the set's totals."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = {n: rs.counter_total(n) for n in names}
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            break
+        time.sleep(0.05)
+    return totals(rs)

@@ -93,7 +93,15 @@ class Stack:
 
 
 def start_backend(run_dir: Path, backend: str, name: str | None = None) -> tuple[h.Proc, int, h.Proc | None]:
+    """idemstore in memory or on its own Redis, started and healthy. Under IDEM_SECURE_STORE
+    (`harness.secure_store`) secured instead (support/secure.py): idemstore's listener on
+    mutual TLS, which every Envoy's store cluster toward it then speaks, and its Redis on TLS
+    only, as the documented ACL user, keys under the prefix `e2e:`."""
     sub = run_dir / (name or backend)
+    if h.secure_store():
+        from . import secure  # cryptography: only for the secured stores
+
+        return secure.start_backend(sub, backend)
     redis = None
     redis_url = None
     if backend == "redis":

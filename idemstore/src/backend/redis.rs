@@ -67,7 +67,7 @@ impl Scripts {
     }
 }
 
-impl RedisBackend<ConnectionManager> {
+impl RedisBackend<Standalone> {
     /// Connects lazily, so the service starts (and `/healthz` says 503) while Redis is down;
     /// the manager reconnects after I/O errors. `timeout` bounds connecting and each reply.
     pub fn standalone(url: &str, timeout: Duration) -> Result<Self> {
@@ -86,8 +86,77 @@ impl RedisBackend<ConnectionManager> {
             .set_number_of_retries(1)
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_millis(100));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config).map_err(failed)?;
+        let conn = Standalone::new(client.clone(), config)?;
         Ok(Self::new(conn, access, timeout, WakeNodes::Fixed(vec![client])))
+    }
+}
+
+/// Standalone Redis through a [`ConnectionManager`], replaced by a new one after Redis refused
+/// the credentials: the manager reconnects after I/O errors only, and would answer that
+/// refusal forever after the password was fixed.
+#[derive(Clone)]
+pub struct Standalone {
+    client: ::redis::Client,
+    config: ConnectionManagerConfig,
+    manager: std::sync::Arc<std::sync::Mutex<ConnectionManager>>,
+}
+
+impl Standalone {
+    fn new(client: ::redis::Client, config: ConnectionManagerConfig) -> Result<Self> {
+        let manager =
+            ConnectionManager::new_lazy_with_config(client.clone(), config.clone()).map_err(failed)?;
+        Ok(Self { client, config, manager: std::sync::Arc::new(std::sync::Mutex::new(manager)) })
+    }
+
+    fn manager(&self) -> RedisResult<ConnectionManager> {
+        self.manager.lock().map(|m| m.clone()).map_err(|_| {
+            RedisError::from((::redis::ErrorKind::Client, "the connection manager's lock is poisoned"))
+        })
+    }
+
+    /// After `e`: a fresh manager if `e` was a refused login, so the next call logs in again.
+    fn after_error(&self, e: &RedisError) {
+        let login = e.kind() == ::redis::ErrorKind::AuthenticationFailed
+            || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"));
+        if !login {
+            return;
+        }
+        if let Ok(fresh) = ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
+            if let Ok(mut manager) = self.manager.lock() {
+                *manager = fresh;
+            }
+        }
+    }
+}
+
+impl ConnectionLike for Standalone {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a ::redis::Cmd) -> ::redis::RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let reply = self.manager()?.req_packed_command(cmd).await;
+            if let Err(e) = &reply {
+                self.after_error(e);
+            }
+            reply
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a ::redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> ::redis::RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let reply = self.manager()?.req_packed_commands(cmd, offset, count).await;
+            if let Err(e) = &reply {
+                self.after_error(e);
+            }
+            reply
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.client.get_connection_info().redis_settings().db()
     }
 }
 
@@ -433,7 +502,7 @@ macro_rules! one_server {
     )+};
 }
 
-one_server!(ConnectionManager, SentinelConnection);
+one_server!(Standalone, SentinelConnection);
 
 impl Scan for ClusterConnection {
     /// Every master, by the address the client knows it by: a `PING` to all of them answers
