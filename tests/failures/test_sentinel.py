@@ -25,12 +25,19 @@ Sentinel demotes a reachable old master only when it converts it to a replica, a
 seconds later (it waits 4 x its 2 s publish period after the role change), and that resync
 discards whatever was written there meanwhile; so idemstore has to notice the sentinels' new
 master by itself, within `FOLLOW_BOUND_S`, not only after a connection error or `READONLY`.
+
+Over TLS (issue 27: "TLS and AUTH to sentinels too"): `sentinel_stack(..., tls=True)` runs the
+nodes and the sentinels on TLS only with client certificates required (`support/secure.py`'s
+certificates) and gives idemstore `rediss://` sentinels, the CA and its client certificate; the
+short `test_sentinel_over_tls_master_killed` kills the master without load and checks replays,
+exactly-once fresh keys under the store's lock and `/healthz`.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import ssl
 import threading
 import time
 import uuid
@@ -42,6 +49,8 @@ import pytest
 
 from support import burst
 from support import harness as h
+from support import redis_cluster as rc
+from support import secure
 from support import sentinel as sn
 from support.burst import assert_exactly_once, fire
 from support.checks import REPLAY, assert_executed, assert_problem, assert_replay_of
@@ -68,6 +77,7 @@ class SentinelStack:
     sentinels: sn.SentinelSet
     rs: ReplicaSet          # the Envoy and the idemstores (burst.fire, totals)
     access_log: Path
+    pki: secure.Material | None = None   # the certificates, when everything runs on TLS
 
     @property
     def envoy(self) -> h.Envoy:
@@ -119,14 +129,15 @@ def healthz(port: int) -> int:
 
 
 def spawn_idemstore(sub: Path, s: sn.SentinelSet, name: str, password_via: str = "file",
-                    scheme: str | None = None) -> tuple[h.Proc, int]:
+                    scheme: str | None = None, extra: list[str] | None = None) -> tuple[h.Proc, int]:
     """idemstore on the sentinels (`--redis-sentinel`, `--redis-sentinel-master`), the password
     (the nodes' and the sentinels' own, the same here) from `s.password_file`
     (`--redis-password-file`, `--redis-sentinel-password-file`) or from the environment
-    (IDEMSTORE_REDIS_PASSWORD, IDEMSTORE_REDIS_SENTINEL_PASSWORD); not waited for."""
+    (IDEMSTORE_REDIS_PASSWORD, IDEMSTORE_REDIS_SENTINEL_PASSWORD), `extra` flags (the TLS
+    ones); not waited for."""
     port = h.free_port()
     argv = [h.idemstore_bin(), "--listen", f"{h.LOOPBACK}:{port}",
-            "--redis-sentinel", s.sentinel_addrs(scheme), "--redis-sentinel-master", s.name]
+            "--redis-sentinel", s.sentinel_addrs(scheme), "--redis-sentinel-master", s.name, *(extra or [])]
     env = {"RUST_LOG": "info"}
     if password_via == "file":
         argv += ["--redis-password-file", str(s.password_file),
@@ -158,23 +169,31 @@ def with_health_check_and_access_log(store_ports: list[int], log: Path):
 
 @pytest.fixture
 def sentinel_stack(run_dir, artifacts, upstream):
-    """Factory: `sentinel_stack(name, stores=2, password_via="file", scheme=None, plugin={})`.
-    Everything is stopped by PID after the test, which fails on a wasm panic in the Envoy log."""
+    """Factory: `sentinel_stack(name, stores=2, password_via="file", scheme=None, plugin={},
+    tls=False)`. With `tls`, the nodes and the sentinels run on TLS only and require client
+    certificates (`secure.material`'s certificates), and the idemstores get `rediss://`
+    sentinels, the CA and their client certificate (`--redis-ca-file`, `--redis-cert-file`,
+    `--redis-key-file`). Everything is stopped by PID after the test, which fails on a wasm
+    panic in the Envoy log."""
     made: list[SentinelStack] = []
 
     def make(name: str, stores: int = 2, password_via: str = "file", scheme: str | None = None,
-             plugin: dict | None = None) -> SentinelStack:
+             plugin: dict | None = None, tls: bool = False) -> SentinelStack:
         sub = run_dir / name
         n = 1
         while sub.exists():
             n += 1
             sub = run_dir / f"{name}-{n}"
-        s = sn.start_sentinels(sub / "sentinel", settle=False)
+        m = secure.material(sub / "pki") if tls else None
+        s = sn.start_sentinels(sub / "sentinel", settle=False, tls=m.redis_tls() if m else None)
         rs = ReplicaSet(sub.name, sub, "sentinel", plugin_config({**PLUGIN, **(plugin or {})}), upstream.port)
-        stack = SentinelStack(sub, s, rs, sub / "access.log")
+        stack = SentinelStack(sub, s, rs, sub / "access.log", m)
         made.append(stack)
+        extra = secure.redis_flags(m) if m else []   # the CA, idemstore's client certificate
+        if m:
+            scheme = "rediss"
         # idemstores and the Envoy start while the sentinels find each other.
-        rs.stores = [spawn_idemstore(sub, s, f"idemstore-{i}", password_via, scheme) for i in range(stores)]
+        rs.stores = [spawn_idemstore(sub, s, f"idemstore-{i}", password_via, scheme, extra) for i in range(stores)]
         filters = {LISTENER: [h.wasm_filter(json.dumps(rs.plugin), artifacts["wasm"])]}
         rs.envoys.append(h.spawn_envoy(sub, "envoy", filters, upstream.port, rs.store_ports,
                                        config_hook=with_health_check_and_access_log(rs.store_ports, stack.access_log)))
@@ -728,3 +747,99 @@ def test_sentinel_old_master_returns_and_fails_back(sentinel_stack, upstream, no
         f"{[(round(t0 - switched, 2), w) for t0, w in probes]}); what it writes there is discarded when the "
         f"sentinels convert {b} to a replica of {a} (seconds later: {b_role})")
     assert not late_twice, f"keys run twice whose first run came after idemstore should have followed: {late_twice}"
+
+
+# --------------------------------------------------------------------------------------------
+# everything over TLS: nodes, replication, sentinels, idemstore's links
+# --------------------------------------------------------------------------------------------
+
+
+def answers(port: int, access: rc.Access) -> bool:
+    """Whether `port` answers PING (after AUTH) to a client connecting as `access`."""
+    try:
+        return rc.command(port, "PING", timeout=1.0, access=access) == "PONG"
+    except (OSError, ValueError, rc.RedisError):   # ssl.SSLError and a closed connection are OSErrors
+        return False
+
+
+def test_sentinel_over_tls_master_killed(sentinel_stack, upstream, note):
+    """The Sentinel drill with everything on TLS: master, replica and three sentinels listen on
+    TLS only and require a client certificate (plain TCP and TLS without a certificate get no
+    answer), replication and the sentinels' own links are TLS, AUTH on every node and sentinel.
+    One idemstore is given `--redis-sentinel rediss://...` with the CA, its client certificate
+    and the two password files, behind one health-checking filter Envoy. Keys stored before the
+    kill (WAIT-ed onto the replica) replay after the master is SIGKILLed and the replica
+    promoted, without running again; fresh keys run exactly once under the store's lock (never
+    `degraded`) with their records on the new master; `/healthz` is not 200 without a master
+    and 200 again after the failover. The failover and idemstore's recovery are noted."""
+    t0 = time.monotonic()
+    st = sentinel_stack("sentinel-tls", stores=1, tls=True)
+    up_s = time.monotonic() - t0
+    s, m = st.sentinels, st.pki
+    a, b = s.first_master, s.first_replica
+    (store, store_port), = st.rs.stores
+    assert store.argv[store.argv.index("--redis-sentinel") + 1] == s.sentinel_addrs("rediss")
+
+    # TLS only, client certificates required, on every node and sentinel.
+    no_cert = ssl.create_default_context(cafile=str(m.ca))
+    for port in [a, b, *s.sentinel_ports]:
+        assert answers(port, s.access), port
+        assert not answers(port, rc.Access(password=s.password)), f"{port} answers plain TCP"
+        assert not answers(port, rc.Access(tls=no_cert, password=s.password)), \
+            f"{port} answers a TLS client without a certificate"
+
+    # A few keys, stored under the lock, on the master and (WAIT) on the replica.
+    keys: dict[str, h.Response] = {}
+    for i in range(4):
+        k, r = guarded(st, upstream, f"tls-a{i}")
+        keys[k] = r
+    skeys = {k: store_key_of(upstream, k) for k in keys}
+    assert all(where_recorded(s, sk, [a]) == [a] for sk in skeys.values())
+    s.wait_replicated(a, 1000)
+    assert all(s.cmd(b, "EXISTS", record_key(sk)) == 1 for sk in skeys.values()), s.describe()
+
+    # The master SIGKILLed; the replica promoted; idemstore and Envoy back.
+    with Poll(lambda: healthz(store_port)) as health, Poll(lambda: hosts_healthy(st.envoy), 0.05) as envoy_ok:
+        killed = s.kill(a)
+        promoted, failover_s = s.wait_failover(a, timeout=20)
+        assert promoted == b, s.describe()
+
+        def recovered():
+            down = health.first(lambda v: v != 200, after=killed)
+            return (down is not None and health.first(lambda v: v == 200, after=down) is not None
+                    and hosts_healthy(st.envoy))
+        h.wait_for(recovered, "idemstore /healthz down and back to 200, healthy in Envoy", store,
+                   timeout=15, interval=0.02)
+        back_s = time.monotonic() - killed
+        k, r = guarded(st, upstream, "tls-b0")     # the first fresh key after the failover
+        guarded_s = time.monotonic() - killed
+    down = health.first(lambda v: v != 200, after=killed)
+    up = health.first(lambda v: v == 200, after=down)
+    codes = {v for t, v in health.samples if killed <= t < up}
+    assert codes <= {200, 503}, codes
+    unhealthy = envoy_ok.first(lambda v: v is False, after=killed)
+
+    # Stored before the kill: replayed by the promoted replica, not run again.
+    for key, first in keys.items():
+        assert_replay_of(st.post(key), first)
+        assert upstream.count(key=key) == 1, key
+    # Fresh keys: once each, under the store's lock, recorded on the new master.
+    fresh = {k: r}
+    for i in range(1, 4):
+        key, first = guarded(st, upstream, f"tls-b{i}")
+        fresh[key] = first
+    for key in fresh:
+        assert where_recorded(s, store_key_of(upstream, key), [b]) == [b], key
+        assert upstream.count(key=key) == 1, key
+    counters = st.envoy.counters()
+    assert counters.get("degraded", 0) == 0, counters
+    assert healthz(store_port) == 200
+    assert s.password not in store.log_text()
+
+    note(f"sentinel over TLS (nodes, replication and 3 sentinels TLS-only with client certificates required, AUTH; "
+         f"idemstore on rediss:// sentinels with its client certificate): stack up in {up_s:.1f}s")
+    note(f"  kill -> replica promoted and all 3 sentinels report it: {failover_s:.2f}s (down-after-milliseconds "
+         f"{sn.DOWN_AFTER_MS}); idemstore /healthz not 200 after {ms(down - killed)}, 200 again after "
+         f"{ms(up - killed)}; Envoy health check unhealthy after {ms(unhealthy - killed if unhealthy else None)}, "
+         f"healthy again by {back_s:.2f}s; first fresh key executed under the store's lock {guarded_s:.2f}s "
+         f"after the kill; {len(keys)} keys stored before the kill replayed, {len(fresh)} fresh keys once each")

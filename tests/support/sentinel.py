@@ -25,10 +25,22 @@ three agree on the master, see the replica linked and each other (polled, bounde
 
 Processes are the harness's (`harness.start`, stopped by PID); commands go over the RESP2
 client of `redis_cluster.py` with AUTH first (`command(port, password, ...)`).
+
+Over TLS: `start_sentinels(..., tls=redis_cluster.RedisTls(...))` (`secure.material(...)`'s
+`redis_tls()`: the CA, redis-server's certificate, the tests' admin certificate) runs every node
+and every sentinel on a TLS port only (`port 0`, `tls-port`), client certificates required
+(`tls-auth-clients yes`, unless `auth_clients` is False) and `tls-replication yes`: the replica
+replicates, and the sentinels reach the nodes and each other, over TLS with redis-server's own
+certificate as their client certificate (it has server and client usage). The password is
+`tls.password` unless one is given. Every port is registered with
+`redis_cluster.serve_access`, and `SentinelSet.cmd` connects over TLS with the admin
+certificate and AUTH, so every helper here works the same on either; `sentinel_addrs("rediss")`
+is idemstore's `--redis-sentinel`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -36,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import harness as h
-from .redis_cluster import RedisError, _encode, _Reader, info_fields
+from . import redis_cluster as rc
+from .redis_cluster import RedisError, RedisTls, _encode, _Reader, info_fields
 
 MASTER_NAME = "idem-master"
 # Not 1000: a sentinel pings and reconnects at most once a second (its ping period), and the
@@ -113,6 +126,8 @@ class SentinelSet:
     killed: dict[int, float] = field(default_factory=dict)          # port -> time.monotonic() of the kill
     first_master: int = 0
     first_replica: int = 0
+    tls: RedisTls | None = None             # TLS only, every node and sentinel (None: plain TCP)
+    access: rc.Access | None = None         # how `cmd` connects with TLS: the admin certificate, AUTH
 
     # --- addressing ---------------------------------------------------------------------
 
@@ -138,7 +153,10 @@ class SentinelSet:
     # --- commands -----------------------------------------------------------------------
 
     def cmd(self, port: int, *args, timeout: float = 2.0):
-        """A command to a node or a sentinel (all share the password)."""
+        """A command to a node or a sentinel (all share the password; over TLS with the tests'
+        admin certificate when the set runs on TLS)."""
+        if self.access is not None:
+            return rc.command(port, *args, timeout=timeout, access=self.access)
         return command(port, self.password, *args, timeout=timeout)
 
     def info(self, port: int, section: str = "replication") -> dict[str, str]:
@@ -327,9 +345,26 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def _node_conf(node: Node, password: str) -> str:
+def _listen(port: int, tls: RedisTls | None) -> list[str]:
+    """The config lines for where a node or sentinel listens: `port`, or with `tls` that port on
+    TLS only (plain port 0), client certificates as `tls.auth_clients` says, and the outgoing
+    links (replication; a sentinel's to the nodes and the other sentinels) over TLS too."""
+    if tls is None:
+        return [f"port {port}"]
+    return [
+        "port 0",
+        f"tls-port {port}",
+        f'tls-cert-file "{tls.cert}"',
+        f'tls-key-file "{tls.key}"',
+        f'tls-ca-cert-file "{tls.ca}"',
+        f"tls-auth-clients {'yes' if tls.auth_clients else 'no'}",
+        "tls-replication yes",
+    ]
+
+
+def _node_conf(node: Node, password: str, tls: RedisTls | None = None) -> str:
     return "\n".join([
-        f"port {node.port}",
+        *_listen(node.port, tls),
         f"bind {h.LOOPBACK}",
         "protected-mode no",
         "daemonize no",
@@ -345,9 +380,10 @@ def _node_conf(node: Node, password: str) -> str:
 
 
 def _sentinel_conf(port: int, folder: Path, name: str, master_port: int, password: str,
-                   down_after_ms: int, failover_timeout_ms: int) -> str:
+                   down_after_ms: int, failover_timeout_ms: int, tls: RedisTls | None = None) -> str:
     return "\n".join([
-        f"port {port}",
+        # (Over TLS a sentinel announces its TLS port to the others: `tls-replication yes`.)
+        *_listen(port, tls),
         f"bind {h.LOOPBACK}",
         "protected-mode no",
         "daemonize no",
@@ -366,24 +402,31 @@ def _sentinel_conf(port: int, folder: Path, name: str, master_port: int, passwor
 
 def start_sentinels(run_dir: Path, name: str = MASTER_NAME, password: str | None = None,
                     down_after_ms: int = DOWN_AFTER_MS, failover_timeout_ms: int = FAILOVER_TIMEOUT_MS,
-                    sentinels: int = 3, timeout: float = 30.0, settle: bool = True) -> SentinelSet:
+                    sentinels: int = 3, timeout: float = 30.0, settle: bool = True,
+                    tls: RedisTls | None = None) -> SentinelSet:
     """Master, replica and `sentinels` sentinels, started and awaited (`SentinelSet.settled`;
     `settle=False`: only until each answers PING and names the master, so that the caller can
     start its clients while the sentinels find each other, about 2 s, then `wait_settled`).
-    On any failure everything started is stopped before the error is raised."""
+    With `tls`, everything on TLS only (see the module's docstring). On any failure everything
+    started is stopped before the error is raised."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    password = password or f"pw-{os.urandom(12).hex()}"
+    password = password or (tls.password if tls is not None else None) or f"pw-{os.urandom(12).hex()}"
     password_file = run_dir / "redis-password"
     _write_private(password_file, password + "\n")
     s = SentinelSet(run_dir, password, password_file, name)
+    if tls is not None:
+        s.tls = tls
+        s.access = dataclasses.replace(tls.access(), password=password)
     try:
         for _ in range(2):
             port = h.free_port()
             folder = run_dir / f"node-{port}"
             folder.mkdir(parents=True, exist_ok=True)
             node = Node(port, folder, folder / "redis.conf")
-            _write_private(node.conf, _node_conf(node, password))
+            _write_private(node.conf, _node_conf(node, password, tls))
             s.nodes[port] = node
+            if s.access is not None:
+                rc.serve_access(port, s.access)
         s.first_master, s.first_replica = list(s.nodes)
         s.nodes[s.first_master].proc = _start_node(run_dir, s.nodes[s.first_master], [])
         s.nodes[s.first_replica].proc = _start_node(run_dir, s.nodes[s.first_replica],
@@ -400,7 +443,9 @@ def start_sentinels(run_dir: Path, name: str = MASTER_NAME, password: str | None
             folder.mkdir(parents=True, exist_ok=True)
             conf = folder / "sentinel.conf"   # sentinels rewrite their config: writable, their own
             _write_private(conf, _sentinel_conf(port, folder, name, s.first_master, password,
-                                                down_after_ms, failover_timeout_ms))
+                                                down_after_ms, failover_timeout_ms, tls))
+            if s.access is not None:
+                rc.serve_access(port, s.access)
             s.sentinels[port] = h.start(f"sentinel-{port}", [h.redis_bin(), str(conf), "--sentinel"], run_dir)
         for port, proc in s.sentinels.items():
             h.wait_for(lambda p=port: s.master_addr(p) == (h.LOOPBACK, s.first_master), f"sentinel {port} up",
