@@ -77,7 +77,9 @@ impl TlsFiles {
     }
 }
 
-fn certificates(path: &Path, flag: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+/// The certificates of a PEM file, at least one; errors name `flag`. Also the tools' (an
+/// https:// `--url`).
+pub fn certificates(path: &Path, flag: &str) -> Result<Vec<CertificateDer<'static>>, String> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
         .map_err(|e| format!("{flag} {}: {e}", path.display()))?;

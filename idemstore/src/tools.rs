@@ -483,12 +483,8 @@ fn tls_client(
     host: &str,
 ) -> Result<(tokio_rustls::TlsConnector, rustls::pki_types::ServerName<'static>), Failure> {
     use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-    let certs = |path: &PathBuf, flag: &str| {
-        CertificateDer::pem_file_iter(path)
-            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-            .map_err(|e| format!("{flag} {}: {e}", path.display()))
-    };
+    use rustls::pki_types::{PrivateKeyDer, ServerName};
+    let certs = crate::tls::certificates;
     let mut roots = rustls::RootCertStore::empty();
     match &target.url_ca_file {
         Some(path) => {

@@ -29,6 +29,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::sentinel::SentinelConnection;
+use super::BackendError;
 use crate::waiters::{RemoteWakeups, Waiters};
 
 /// The channel the scripts publish store keys on (after `--key-prefix`).
@@ -133,7 +134,7 @@ async fn run(
         next = next.wrapping_add(1);
         let subscribed = match picked {
             Ok(node) => subscribe(&node, &channel, timeout).await,
-            Err(e) => Err(e),
+            Err(e) => Err(BackendError::Unavailable(e)),
         };
         match subscribed {
             Ok(pubsub) => {
@@ -166,10 +167,13 @@ async fn run(
                     backoff = Duration::ZERO;
                 }
             }
+            Err(refused @ BackendError::Refused(_)) => {
+                // Logged once as the cause, as the health check logs it.
+                refused.log("subscribing to wake-ups");
+                outage.get_or_insert_with(Instant::now);
+            }
             Err(why) => {
-                // A refusal (TLS, credentials, ACL) was logged as such, once.
-                let refused = why.starts_with(REFUSED);
-                if outage.is_none() && !refused {
+                if outage.is_none() {
                     tracing::warn!(
                         reason = %why,
                         "cannot subscribe to {channel} on Redis: until it works, waiters on locks \
@@ -177,7 +181,6 @@ async fn run(
                     );
                     outage = Some(Instant::now());
                 } else {
-                    outage.get_or_insert_with(Instant::now);
                     tracing::debug!(reason = %why, "subscribing to {channel} failed again");
                 }
             }
@@ -187,16 +190,13 @@ async fn run(
     }
 }
 
-/// How a subscription failure that was logged as a refusal starts.
-const REFUSED: &str = "refused: ";
-
 /// Between half and all of `delay`, so instances that lost Redis together do not all come
 /// back in the same instant.
 fn jitter(delay: Duration) -> Duration {
     delay.mul_f64(rand::random_range(0.5..=1.0))
 }
 
-async fn subscribe(node: &Client, channel: &str, timeout: Duration) -> Result<PubSub, String> {
+async fn subscribe(node: &Client, channel: &str, timeout: Duration) -> Result<PubSub, BackendError> {
     let connect = async {
         let mut pubsub = node.get_async_pubsub().await?;
         pubsub.subscribe(channel).await?;
@@ -204,15 +204,8 @@ async fn subscribe(node: &Client, channel: &str, timeout: Duration) -> Result<Pu
     };
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(pubsub)) => Ok(pubsub),
-        Ok(Err(e)) => Err(match super::redis::failed(e) {
-            // Logged once as the cause (the health check meets the same).
-            super::BackendError::Refused(why) => {
-                super::BackendError::Refused(why.clone()).log("subscribing to wake-ups");
-                format!("{REFUSED}{why}")
-            }
-            other => other.to_string(),
-        }),
-        Err(_) => Err(format!("no answer within {timeout:?}")),
+        Ok(Err(e)) => Err(super::redis::failed(e)),
+        Err(_) => Err(BackendError::Unavailable(format!("no answer within {timeout:?}"))),
     }
 }
 

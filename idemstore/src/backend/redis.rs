@@ -116,9 +116,7 @@ impl Standalone {
 
     /// After `e`: a fresh manager if `e` was a refused login, so the next call logs in again.
     fn after_error(&self, e: &RedisError) {
-        let login = e.kind() == ::redis::ErrorKind::AuthenticationFailed
-            || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"));
-        if !login {
+        if !login_refused(e) {
             return;
         }
         if let Ok(fresh) = ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
@@ -323,17 +321,13 @@ pub(crate) fn failed(e: RedisError) -> BackendError {
 }
 
 fn refusal(e: &RedisError) -> Option<String> {
-    match e.code() {
-        Some("NOPERM") => {
-            return Some(format!(
-                "Redis refused a command to idemstore's ACL user ({e}): grant it the commands, key \
-                 pattern and channel docs/security.md lists (with --key-prefix, under that prefix)"
-            ))
-        }
-        Some("WRONGPASS" | "NOAUTH") => return Some(credentials(e)),
-        _ => {}
+    if e.code() == Some("NOPERM") {
+        return Some(format!(
+            "Redis refused a command to idemstore's ACL user ({e}): grant it the commands, key \
+             pattern and channel docs/security.md lists (with --key-prefix, under that prefix)"
+        ));
     }
-    if e.kind() == ::redis::ErrorKind::AuthenticationFailed {
+    if login_refused(e) {
         return Some(credentials(e));
     }
     tls_failure(e).map(|tls| {
@@ -345,8 +339,13 @@ fn refusal(e: &RedisError) -> Option<String> {
     })
 }
 
+/// Whether `e` is Redis (or a sentinel) refusing the user or password.
+pub(crate) fn login_refused(e: &RedisError) -> bool {
+    e.kind() == ::redis::ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
+}
+
 fn credentials(e: &RedisError) -> String {
-    if e.to_string().contains("sentinels refused") {
+    if e.to_string().contains(super::sentinel::SENTINELS_REFUSED) {
         return format!("Redis Sentinel refused idemstore's credentials ({e})");
     }
     format!(

@@ -211,15 +211,21 @@ async fn watch_master(shared: Weak<Shared>) {
     }
 }
 
+/// How a refused login to the sentinels is told apart from one to the master.
+pub(crate) const SENTINELS_REFUSED: &str = "the sentinels refused the credentials";
+
 /// An error from asking the sentinels, said to be theirs (their credentials are not the
-/// master's).
+/// master's). Only the sentinels' own answers: a master refusing the login while its role is
+/// checked stays the master's.
 fn from_sentinels(e: RedisError) -> RedisError {
     match e.code() {
         Some("NOAUTH" | "WRONGPASS") => RedisError::from((
             ::redis::ErrorKind::AuthenticationFailed,
-            "the sentinels refused the credentials (--redis-sentinel-username, \
-             --redis-sentinel-password-file or IDEMSTORE_REDIS_SENTINEL_PASSWORD)",
-            e.to_string(),
+            SENTINELS_REFUSED,
+            format!(
+                "{e} (--redis-sentinel-username, --redis-sentinel-password-file or \
+                 IDEMSTORE_REDIS_SENTINEL_PASSWORD)"
+            ),
         )),
         _ => e,
     }
