@@ -249,6 +249,7 @@ impl ArbRecord {
                 .trailers
                 .as_ref()
                 .map(|t| t.iter().map(|(n, v)| (n.name(), v.to_string_lossy())).collect()),
+            expires_ms: None,
         }
     }
 }

@@ -9,6 +9,8 @@
 //! has a row in docs/configuration.md, with the default the table gives (checked by a test).
 //! Uses `http` only.
 
+use std::rc::Rc;
+
 use serde_json::{json, Value};
 
 use crate::config::keys::{config, err, object, ConfigError};
@@ -18,9 +20,12 @@ use crate::config::values::*;
 use crate::http::headers;
 
 pub mod keys;
-mod parse;
+pub(crate) mod parse;
 pub mod patterns;
+pub mod routes;
 pub mod values;
+
+pub use routes::Routes;
 
 #[cfg(test)]
 mod tests;
@@ -100,6 +105,16 @@ config! {
         /// gRPC methods (`/package.Service/Method`, or `/package.Service/*`) that stream: passed
         /// through at once, never held.
         grpc_streaming_methods: Vec<String>,
+        /// The operator's page documenting the idempotency policy: every problem the filter
+        /// answers links to it (`link: <policy_url>; rel="describedby"`).
+        policy_url: Option<String>,
+        /// Problem `type`s are this followed by the problem's `code` (see `request::problem`).
+        problem_type_base: Option<String>,
+        /// Response header telling when the answer's record expires, on the first answer and
+        /// every replay (absent: not sent).
+        expiry_header: Option<String>,
+        /// A policy per Envoy route name (see `config::routes`).
+        routes: Routes,
     }
     raw_only {
         /// The variable `store_secret` is read from.
@@ -130,6 +145,9 @@ impl Config {
 
     /// Checks every key of a configuration as written and builds the configuration.
     pub fn validate(mut raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let routes_written = raw.routes.take().filter(|v| !v.is_null());
+        // Each route inherits the rest as written, so the top level is kept before it is checked.
+        let top_written = routes_written.as_ref().map(|_| raw.clone());
         // The sending side (mint mode) and the replay listener make no store calls.
         let no_store = matches!(&raw.mode, Some(Value::String(m)) if m == "mint" || m == "grpc_replay");
         let store_cluster = match raw.store_cluster.take() {
@@ -225,10 +243,32 @@ impl Config {
             None | Some(Value::Null) => Vec::new(),
             Some(v) => grpc_streaming_methods(v)?,
         };
-        for (key, name) in [("replay_header", &replay_header), ("body_omitted_header", &body_omitted_header)]
-        {
+        let policy_url = match raw.policy_url {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(uri("policy_url", v, true)?),
+        };
+        let problem_type_base = match raw.problem_type_base {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(uri("problem_type_base", v, false)?),
+        };
+        let expiry_header = match raw.expiry_header {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(header_name("expiry_header", v)?),
+        };
+        let mut set_on_replays =
+            vec![("replay_header", &replay_header), ("body_omitted_header", &body_omitted_header)];
+        set_on_replays.extend(expiry_header.as_ref().map(|name| ("expiry_header", name)));
+        for (key, name) in set_on_replays {
             if headers::is_never_replayed(name) || headers::is_representation(name) {
                 return Err(err(key, format!("must not be {name:?}: the filter sets it on replays")));
+            }
+        }
+        if let Some(name) = &expiry_header {
+            if replay_headers.contains(name) || *name == replay_header || *name == body_omitted_header {
+                return Err(err(
+                    "expiry_header",
+                    "must differ from `replay_header`, `body_omitted_header` and every `replay_headers` entry",
+                ));
             }
         }
         if body_omitted_header == replay_header {
@@ -292,6 +332,15 @@ impl Config {
                 ));
             }
         }
+        let routes = match (routes_written, &top_written) {
+            (Some(v), Some(top)) => {
+                if matches!(mode, Mode::Mint | Mode::GrpcReplay) {
+                    return Err(err("routes", "is not used in mint or grpc_replay mode"));
+                }
+                Routes::parse(v, top, env)?
+            }
+            _ => Routes::default(),
+        };
         let structured = Structured {
             store_cluster,
             methods,
@@ -312,6 +361,10 @@ impl Config {
             body_omitted_header,
             store_grpc_statuses,
             grpc_streaming_methods,
+            policy_url,
+            problem_type_base,
+            expiry_header,
+            routes,
         };
         Ok(Config::assemble(simple, structured))
     }
@@ -385,6 +438,10 @@ impl Config {
             body_omitted_header: Some(json!(self.body_omitted_header)),
             store_grpc_statuses: Some(json!(self.store_grpc_statuses.names())),
             grpc_streaming_methods: Some(json!(self.grpc_streaming_methods)),
+            policy_url: Some(json!(self.policy_url)),
+            problem_type_base: Some(json!(self.problem_type_base)),
+            expiry_header: Some(json!(self.expiry_header)),
+            routes: Some(self.routes.to_raw()).filter(|_| !self.routes.is_empty()),
             ..RawConfig::default()
         }
     }
@@ -403,6 +460,19 @@ impl Config {
             Some(service) => path.starts_with(service.as_bytes()),
             None => path == m.as_bytes(),
         })
+    }
+
+    /// The longest `retention_seconds` and `lock_ttl_ms` of the top level and every route: what
+    /// the local fallback keeps its locks and records for (they outlive their request's route).
+    pub fn longest_terms(&self) -> (u64, u64) {
+        self.routes.iter().fold((self.retention_seconds, self.lock_ttl_ms), |(r, l), (_, c)| {
+            (r.max(c.retention_seconds), l.max(c.lock_ttl_ms))
+        })
+    }
+
+    /// The configuration a request on the Envoy route `name` goes by: its policy's, else this.
+    pub fn for_route(&self, name: &[u8]) -> Option<&Rc<Config>> {
+        self.routes.get(name)
     }
 
     pub fn guards_method(&self, method: &str) -> bool {

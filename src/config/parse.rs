@@ -363,3 +363,31 @@ pub fn store_secret(
         }
     }
 }
+
+/// An absolute URI as written in a header or a problem's `type`: `http(s)://host...` when
+/// `web`, else any scheme. Visible ASCII only, without what would end a `link` target (`<`, `>`)
+/// or a JSON string early: it is sent as it is.
+pub fn uri(key: &str, v: Value, web: bool) -> Result<String, ConfigError> {
+    let s = non_empty_string(key, v)?;
+    let scheme_end = s.find(':').unwrap_or(0);
+    let scheme = &s[..scheme_end];
+    let scheme_ok = scheme.bytes().next().is_some_and(|b| b.is_ascii_alphabetic())
+        && scheme.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'));
+    let web_ok = ["https://", "http://"]
+        .iter()
+        .any(|p| s.strip_prefix(p).is_some_and(|rest| !rest.is_empty() && !rest.starts_with('/')));
+    let chars_ok = s.bytes().all(|b| b.is_ascii_graphic() && !b"<>\"{}|\\^`".contains(&b));
+    let shape = if web { "an absolute http:// or https:// URL" } else { "an absolute URI (scheme:...)" };
+    if !scheme_ok || (web && !web_ok) || s.len() <= scheme_end + 1 {
+        return Err(err(key, format!("must be {shape}, got {s:?}")));
+    }
+    if !chars_ok || s.len() > MAX_URI {
+        return Err(err(
+            key,
+            format!("must be at most {MAX_URI} visible ASCII characters without spaces, <, >, \", {{, }}, |, \\, ^ or `"),
+        ));
+    }
+    Ok(s)
+}
+
+pub const MAX_URI: usize = 2048;

@@ -519,3 +519,113 @@ fn the_store_transport_is_a_stream_unless_told() {
     let long_callout = format!(r#"{{"store_cluster":"{}","store_transport":"callout"}}"#, "c".repeat(121));
     assert!(parse(&long_callout).is_ok());
 }
+
+const THREE_ROUTES: &str = r#"{"store_cluster":"s","lock_wait_ms":2000,"policy_url":"https://api.example.com/idem",
+    "fingerprint_headers":["x-tenant"],
+    "routes":{
+        "payments":{"require_key":true,"store_statuses":["2xx","4xx"],"retention_seconds":604800,"lock_ttl_ms":60000},
+        "webhooks":{"mode":"inbox","inbox":{"message_id":{"header":"x-message-id"}}},
+        "orders":{}}}"#;
+
+#[test]
+fn a_route_s_policy_over_the_rest_as_written() {
+    let c = parse(THREE_ROUTES).unwrap();
+    let payments = c.for_route(b"payments").unwrap();
+    assert!(payments.require_key);
+    assert_eq!(payments.store_statuses.entries(), ["2xx", "4xx"]);
+    assert_eq!((payments.retention_seconds, payments.lock_ttl_ms), (604_800, 60_000));
+    assert_eq!(payments.lock_wait_ms, 2000, "inherited");
+    assert_eq!(payments.fingerprint_headers, ["x-tenant"], "inherited");
+    assert_eq!(payments.policy_url.as_deref(), Some("https://api.example.com/idem"));
+    assert_eq!(payments.detached_timeout_ms, 15_000, "the default of the route's own lock_ttl_ms");
+    assert!(payments.routes.is_empty());
+    let webhooks = c.for_route(b"webhooks").unwrap();
+    assert!(webhooks.inbox().is_some());
+    assert!(webhooks.fingerprint_headers.is_empty(), "what inbox mode refuses is not inherited");
+    let orders = c.for_route(b"orders").unwrap();
+    assert_eq!(
+        Config { routes: Routes::default(), ..c.clone() },
+        **orders,
+        "an empty policy is the top level"
+    );
+    assert!(c.for_route(b"search").is_none());
+    assert!(c.for_route(b"\xff").is_none());
+    assert_eq!(c.longest_terms(), (604_800, 60_000));
+    let back = serde_json::to_vec(&c.to_raw()).unwrap();
+    assert_eq!(Config::from_json(&back).unwrap(), c, "written back, the same configuration");
+    // An inbox filter with a route back on keys: the `inbox` settings are not inherited there.
+    let inbox_top = parse(
+        r#"{"store_cluster":"s","mode":"inbox","inbox":{"missing_id":"pass"},
+            "routes":{"api":{"mode":"idempotency_key","require_key":true}}}"#,
+    )
+    .unwrap();
+    assert_eq!(inbox_top.for_route(b"api").unwrap().mode, Mode::IdempotencyKey);
+}
+
+#[test]
+fn a_bad_policy_names_its_route_and_key() {
+    let routes =
+        |policy: &str| parse(&format!(r#"{{"store_cluster":"s","routes":{{"payments":{policy}}}}}"#));
+    let key_of = |policy: &str| routes(policy).unwrap_err().key;
+    assert_eq!(key_of(r#"{"retention_secs":1}"#), "routes.payments.retention_secs");
+    let e = routes(r#"{"retention_seconds":0}"#).unwrap_err();
+    assert_eq!(e.key, "routes.payments.retention_seconds");
+    assert!(e.to_string().contains("must be an integer from 1 to"), "{e}");
+    assert_eq!(key_of(r#"{"methods":[]}"#), "routes.payments.methods");
+    assert_eq!(key_of(r#"{"lock_wait_ms":-1}"#), "routes.payments.lock_wait_ms");
+    for wide in
+        ["store_cluster", "store_timeout_ms", "failure_mode", "pause_on_headers", "routes", "store_secret"]
+    {
+        let e = routes(&format!(r#"{{"{wide}":null}}"#)).unwrap_err();
+        assert_eq!(e.key, format!("routes.payments.{wide}"));
+        assert!(e.message.contains("filter-wide"), "{e}");
+    }
+    assert_eq!(key_of(r#"{"mode":"mint"}"#), "routes.payments.mode");
+    assert_eq!(key_of(r#"{"mode":"inbox","require_key":true}"#), "routes.payments.require_key");
+    assert_eq!(key_of("[]"), "routes.payments");
+    assert_eq!(
+        key_of(r#"{"detached_timeout_ms":20000,"lock_ttl_ms":10000}"#),
+        "routes.payments.detached_timeout_ms"
+    );
+    assert_eq!(parse(r#"{"store_cluster":"s","routes":[]}"#).unwrap_err().key, "routes");
+    assert_eq!(parse(r#"{"store_cluster":"s","routes":{"":{}}}"#).unwrap_err().key, "routes");
+    assert_eq!(parse(r#"{"mode":"mint","routes":{"a":{}}}"#).unwrap_err().key, "routes");
+    let many: Vec<String> = (0..=routes::MAX_ROUTES).map(|i| format!(r#""r{i}":{{}}"#)).collect();
+    let e = parse(&format!(r#"{{"store_cluster":"s","routes":{{{}}}}}"#, many.join(","))).unwrap_err();
+    assert_eq!(e.key, "routes");
+    assert!(routes("null").is_err());
+    assert!(parse(r#"{"store_cluster":"s","routes":null}"#).unwrap().routes.is_empty());
+}
+
+#[test]
+fn the_published_policy_keys() {
+    let c = parse(
+        r#"{"store_cluster":"s","policy_url":"https://api.example.com/docs/idempotency",
+            "problem_type_base":"urn:example:problems:","expiry_header":"idempotency-expires"}"#,
+    )
+    .unwrap();
+    assert_eq!(c.problem_type_base.as_deref(), Some("urn:example:problems:"));
+    assert_eq!(c.expiry_header.as_deref(), Some("idempotency-expires"));
+    let d = parse(r#"{"store_cluster":"s"}"#).unwrap();
+    assert_eq!((d.policy_url, d.problem_type_base, d.expiry_header), (None, None, None));
+    let key_of = |extra: &str| parse(&format!(r#"{{"store_cluster":"s",{extra}}}"#)).unwrap_err().key;
+    for bad in [
+        r#""ftp://x""#,
+        r#""https://""#,
+        r#""https:///x""#,
+        r#""https://a b""#,
+        r#""https://a/<x>""#,
+        "1",
+        r#""""#,
+    ] {
+        assert_eq!(key_of(&format!(r#""policy_url":{bad}"#)), "policy_url", "{bad}");
+    }
+    let long = format!(r#""policy_url":"https://a/{}""#, "x".repeat(parse::MAX_URI));
+    assert_eq!(key_of(&long), "policy_url");
+    for bad in [r#""problems/""#, r#""1x:a""#, r#"":x""#, r#""urn:""#] {
+        assert_eq!(key_of(&format!(r#""problem_type_base":{bad}"#)), "problem_type_base", "{bad}");
+    }
+    for bad in [r#""Expires-At""#, r#""content-length""#, r#""x-idempotent-replay""#, r#""location""#] {
+        assert_eq!(key_of(&format!(r#""expiry_header":{bad}"#)), "expiry_header", "{bad}");
+    }
+}

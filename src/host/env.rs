@@ -55,6 +55,9 @@ fn header_map(cell: &OnceCell<Vec<(String, Vec<u8>)>>, map: MapType) -> &[(Strin
 }
 
 impl StreamView for HostView {
+    fn now_ms(&self) -> Option<u64> {
+        HostEnv.now_ms()
+    }
     fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
         header_map(&self.request, MapType::HttpRequestHeaders).to_vec()
     }

@@ -100,6 +100,11 @@ impl Vm {
                     }
                 }
             }
+            Command::SetResponseHeader { name, value, .. } => {
+                if let Err(s) = abi::set_map_value(MapType::HttpResponseHeaders, &name, Some(&value)) {
+                    log::warn!("cannot set response header {name}: {s:?}");
+                }
+            }
             Command::RemoveResponseHeader { name, .. } => {
                 if let Err(s) = abi::set_map_value(MapType::HttpResponseHeaders, &name, None) {
                     log::debug!("cannot remove response header {name}: {s:?}");

@@ -130,9 +130,31 @@ impl MediaType {
     }
 }
 
+/// The latest moment an HTTP date can say (9999-12-31T23:59:59Z); `httpdate` panics past it.
+const LAST_HTTP_DATE_MS: u64 = 253_402_300_799_000;
+
+/// `ms` (since the Unix epoch) as an HTTP date (IMF-fixdate, RFC 9110), e.g.
+/// `Sat, 05 Dec 2026 17:40:00 GMT`; `None` past what one can say.
+pub fn http_date(ms: u64) -> Option<String> {
+    if ms > LAST_HTTP_DATE_MS {
+        return None;
+    }
+    let at = std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_millis(ms))?;
+    Some(httpdate::fmt_http_date(at))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn http_dates_within_what_one_can_say() {
+        assert_eq!(http_date(0).as_deref(), Some("Thu, 01 Jan 1970 00:00:00 GMT"));
+        assert_eq!(http_date(1_796_000_000_999).as_deref(), Some("Mon, 30 Nov 2026 00:53:20 GMT"));
+        assert_eq!(http_date(LAST_HTTP_DATE_MS).as_deref(), Some("Fri, 31 Dec 9999 23:59:59 GMT"));
+        assert_eq!(http_date(LAST_HTTP_DATE_MS + 1), None);
+        assert_eq!(http_date(u64::MAX), None);
+    }
 
     #[test]
     fn names() {

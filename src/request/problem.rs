@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use crate::config::Config;
 use crate::http::grpc;
 use crate::request::fingerprint::Differs;
 use crate::request::inbox::IdError;
@@ -33,28 +34,43 @@ struct Body<'a> {
     header: Option<&'a str>,
 }
 
-const TYPE_BASE: &str = "https://idempotency-filter.dev/problems/";
+/// A problem's `type` with neither `problem_type_base` nor `policy_url`: a tag URI (RFC 4151),
+/// which names the type without pretending to be a page somebody hosts (RFC 9457 allows
+/// non-resolvable type URIs; clients switch on `code`).
+pub const TAG_TYPE_BASE: &str = "tag:idempotency-filter,2026:problems/";
 
-/// `slug` names the `type`; `code` is the same word but where an older `type` said otherwise.
-fn problem(status: u32, slug: &str, title: &str, detail: &str) -> LocalResponse {
-    problem_with(Body {
-        kind: format!("{TYPE_BASE}{slug}"),
-        code: slug,
-        title,
-        status,
-        detail,
-        differs: None,
-        header: None,
-    })
+/// The `type` of the problem `code`: `problem_type_base` + code, else the `policy_url` page's
+/// fragment `#code`, else the tag URI.
+pub fn type_uri(cfg: &Config, code: &str) -> String {
+    match (&cfg.problem_type_base, &cfg.policy_url) {
+        (Some(base), _) => format!("{base}{code}"),
+        (None, Some(url)) if !url.contains('#') => format!("{url}#{code}"),
+        _ => format!("{TAG_TYPE_BASE}{code}"),
+    }
 }
 
-fn problem_with(body: Body<'_>) -> LocalResponse {
+fn problem(cfg: &Config, status: u32, code: &str, title: &str, detail: &str) -> LocalResponse {
+    problem_with(
+        cfg,
+        Body { kind: type_uri(cfg, code), code, title, status, detail, differs: None, header: None },
+    )
+}
+
+fn problem_with(cfg: &Config, body: Body<'_>) -> LocalResponse {
+    let mut headers = vec![("content-type".into(), "application/problem+json".into())];
+    headers.extend(policy_link(cfg));
     LocalResponse {
         status: body.status,
-        headers: vec![("content-type".into(), "application/problem+json".into())],
+        headers,
         // Serializing a struct of strings cannot fail; an empty body is the harmless fallback.
         body: serde_json::to_vec(&body).unwrap_or_default(),
     }
+}
+
+/// `link: <policy_url>; rel="describedby"`, when the policy is published (the IETF
+/// Idempotency-Key draft: error answers SHOULD point to the documentation).
+pub fn policy_link(cfg: &Config) -> Option<(String, String)> {
+    cfg.policy_url.as_ref().map(|url| ("link".to_string(), format!("<{url}>; rel=\"describedby\"")))
 }
 
 /// `retry-after` in whole seconds, at least 1.
@@ -63,8 +79,9 @@ fn retry_after(mut r: LocalResponse, ms: u64) -> LocalResponse {
     r
 }
 
-pub fn missing_key() -> LocalResponse {
+pub fn missing_key(cfg: &Config) -> LocalResponse {
     problem(
+        cfg,
         400,
         "missing-key",
         "Idempotency-Key required",
@@ -73,8 +90,9 @@ pub fn missing_key() -> LocalResponse {
 }
 
 /// A request that arrives with the header only the filter sets on a gRPC replay it re-routes.
-pub fn hop_header() -> LocalResponse {
+pub fn hop_header(cfg: &Config) -> LocalResponse {
     problem(
+        cfg,
         400,
         "internal-header",
         "Internal header",
@@ -82,13 +100,14 @@ pub fn hop_header() -> LocalResponse {
     )
 }
 
-pub fn invalid_key(e: KeyError) -> LocalResponse {
-    problem(400, "invalid-key", "Invalid Idempotency-Key", &e.to_string())
+pub fn invalid_key(cfg: &Config, e: KeyError) -> LocalResponse {
+    problem(cfg, 400, "invalid-key", "Invalid Idempotency-Key", &e.to_string())
 }
 
 /// Inbox mode: a guarded request without a message id (`missing_id: reject`).
-pub fn missing_message_id() -> LocalResponse {
+pub fn missing_message_id(cfg: &Config) -> LocalResponse {
     problem(
+        cfg,
         400,
         "missing-message-id",
         "Message id required",
@@ -97,14 +116,15 @@ pub fn missing_message_id() -> LocalResponse {
 }
 
 /// Inbox mode: an id that is there but unusable (empty, too long, not a string, repeated).
-pub fn invalid_message_id(e: IdError) -> LocalResponse {
-    problem(400, "invalid-message-id", "Invalid message id", &e.to_string())
+pub fn invalid_message_id(cfg: &Config, e: IdError) -> LocalResponse {
+    problem(cfg, 400, "invalid-message-id", "Invalid message id", &e.to_string())
 }
 
 /// Inbox mode: another delivery of the same message is still being handled; its lock lives
 /// `lock_ms` more.
-pub fn message_in_flight(lock_ms: u64) -> LocalResponse {
+pub fn message_in_flight(cfg: &Config, lock_ms: u64) -> LocalResponse {
     let r = problem(
+        cfg,
         409,
         "message-in-flight",
         "Message in flight",
@@ -113,8 +133,9 @@ pub fn message_in_flight(lock_ms: u64) -> LocalResponse {
     retry_after(r, lock_ms)
 }
 
-pub fn body_too_large(max: usize) -> LocalResponse {
+pub fn body_too_large(cfg: &Config, max: usize) -> LocalResponse {
     problem(
+        cfg,
         413,
         "body-too-large",
         "Request body too large",
@@ -123,7 +144,7 @@ pub fn body_too_large(max: usize) -> LocalResponse {
 }
 
 /// The key's record answers another request: `what` differed.
-pub fn key_reused(what: &Differs) -> LocalResponse {
+pub fn key_reused(cfg: &Config, what: &Differs) -> LocalResponse {
     let (differs, header, detail) = match what {
         Differs::Body => {
             ("body", None, "This Idempotency-Key was already used with a different request body.".to_string())
@@ -142,37 +163,44 @@ pub fn key_reused(what: &Differs) -> LocalResponse {
             ),
         ),
     };
-    problem_with(Body {
-        kind: format!("{TYPE_BASE}key-reused"),
-        code: "key-reused",
-        title: "Idempotency-Key reused",
-        status: 422,
-        detail: &detail,
-        differs: Some(differs),
-        header,
-    })
+    problem_with(
+        cfg,
+        Body {
+            kind: type_uri(cfg, "key-reused"),
+            code: "key-reused",
+            title: "Idempotency-Key reused",
+            status: 422,
+            detail: &detail,
+            differs: Some(differs),
+            header,
+        },
+    )
 }
 
 /// The original request still runs; its lock lives `lock_ms` more.
-pub fn in_flight(lock_ms: u64) -> LocalResponse {
-    let r = problem_with(Body {
-        kind: format!("{TYPE_BASE}in-flight"),
-        code: "request-in-flight",
-        title: "Request in flight",
-        status: 409,
-        detail:
-            "A request with this Idempotency-Key is still being processed; retry later with the same key.",
-        differs: None,
-        header: None,
-    });
+pub fn in_flight(cfg: &Config, lock_ms: u64) -> LocalResponse {
+    let r = problem_with(
+        cfg,
+        Body {
+            kind: type_uri(cfg, "request-in-flight"),
+            code: "request-in-flight",
+            title: "Request in flight",
+            status: 409,
+            detail:
+                "A request with this Idempotency-Key is still being processed; retry later with the same key.",
+            differs: None,
+            header: None,
+        },
+    );
     retry_after(r, lock_ms)
 }
 
 /// The stored answer is in a content coding this retry does not accept.
-pub fn encoding_not_acceptable(coding: &str) -> LocalResponse {
+pub fn encoding_not_acceptable(cfg: &Config, coding: &str) -> LocalResponse {
     // The coding comes from the stored answer's header, visible ASCII; cut to keep it short.
     let coding: String = coding.chars().take(32).collect();
     problem(
+        cfg,
         406,
         "encoding-not-acceptable",
         "Stored answer's encoding not acceptable",
@@ -183,8 +211,9 @@ pub fn encoding_not_acceptable(coding: &str) -> LocalResponse {
     )
 }
 
-pub fn upstream_failed() -> LocalResponse {
+pub fn upstream_failed(cfg: &Config) -> LocalResponse {
     problem(
+        cfg,
         502,
         "upstream-failed",
         "Upstream failed",
@@ -192,8 +221,9 @@ pub fn upstream_failed() -> LocalResponse {
     )
 }
 
-pub fn upstream_timeout(timeout_ms: u64) -> LocalResponse {
+pub fn upstream_timeout(cfg: &Config, timeout_ms: u64) -> LocalResponse {
     problem(
+        cfg,
         504,
         "upstream-timeout",
         "Upstream timed out",
@@ -203,8 +233,9 @@ pub fn upstream_timeout(timeout_ms: u64) -> LocalResponse {
 
 /// A retry of a request this Envoy already ran, while the store that holds its answer fails: it
 /// must not run again, and its answer cannot be read yet (the local fallback's marker).
-pub fn answer_withheld(retry_ms: u64) -> LocalResponse {
+pub fn answer_withheld(cfg: &Config, retry_ms: u64) -> LocalResponse {
     let r = problem(
+        cfg,
         503,
         "store-unavailable",
         "Idempotency store unavailable",
@@ -213,8 +244,9 @@ pub fn answer_withheld(retry_ms: u64) -> LocalResponse {
     retry_after(r, retry_ms)
 }
 
-pub fn store_unavailable() -> LocalResponse {
+pub fn store_unavailable(cfg: &Config) -> LocalResponse {
     problem(
+        cfg,
         503,
         "store-unavailable",
         "Idempotency store unavailable",
@@ -274,28 +306,87 @@ pub fn grpc(r: LocalResponse, pushback_ms: Option<u64>) -> LocalResponse {
 mod tests {
     use super::*;
 
+    fn c() -> Config {
+        Config::from_json(br#"{"store_cluster":"s"}"#).unwrap()
+    }
+
+    fn with(extra: &str) -> Config {
+        Config::from_json(format!(r#"{{"store_cluster":"s"{extra}}}"#).as_bytes()).unwrap()
+    }
+
+    fn type_of(r: &LocalResponse) -> String {
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        v["type"].as_str().unwrap().to_string()
+    }
+
+    fn link_of(r: &LocalResponse) -> Option<&str> {
+        r.headers.iter().find(|(n, _)| n == "link").map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn the_type_is_the_base_then_the_policy_page_then_a_tag() {
+        let plain = c();
+        assert_eq!(
+            type_of(&key_reused(&plain, &Differs::Body)),
+            "tag:idempotency-filter,2026:problems/key-reused"
+        );
+        assert_eq!(type_of(&in_flight(&plain, 1)), "tag:idempotency-filter,2026:problems/request-in-flight");
+        assert_eq!(link_of(&missing_key(&plain)), None);
+        let page = with(r#","policy_url":"https://api.example.com/idempotency""#);
+        assert_eq!(type_of(&missing_key(&page)), "https://api.example.com/idempotency#missing-key");
+        let anchored = with(r#","policy_url":"https://api.example.com/docs#idempotency""#);
+        assert_eq!(type_of(&missing_key(&anchored)), "tag:idempotency-filter,2026:problems/missing-key");
+        let both = with(
+            r#","policy_url":"https://api.example.com/idempotency","problem_type_base":"https://api.example.com/problems/""#,
+        );
+        assert_eq!(type_of(&store_unavailable(&both)), "https://api.example.com/problems/store-unavailable");
+    }
+
+    #[test]
+    fn every_problem_links_to_the_policy() {
+        let cfg = with(r#","policy_url":"https://api.example.com/idempotency""#);
+        let link = Some(r#"<https://api.example.com/idempotency>; rel="describedby""#);
+        for r in [
+            missing_key(&cfg),
+            invalid_key(&cfg, KeyError::Empty),
+            body_too_large(&cfg, 1),
+            key_reused(&cfg, &Differs::Target),
+            in_flight(&cfg, 1),
+            message_in_flight(&cfg, 1),
+            store_unavailable(&cfg),
+            answer_withheld(&cfg, 1),
+            upstream_failed(&cfg),
+            upstream_timeout(&cfg, 1),
+            encoding_not_acceptable(&cfg, "br"),
+            hop_header(&cfg),
+        ] {
+            assert_eq!(link_of(&r), link, "{r:?}");
+            assert_eq!(link_of(&grpc(r, None)), link, "as gRPC metadata too");
+        }
+    }
+
     #[test]
     fn problems_are_rfc9457() {
         for (r, status, code) in [
-            (missing_key(), 400, "missing-key"),
-            (invalid_key(KeyError::Empty), 400, "invalid-key"),
-            (body_too_large(10), 413, "body-too-large"),
-            (key_reused(&Differs::Body), 422, "key-reused"),
-            (in_flight(1), 409, "request-in-flight"),
-            (store_unavailable(), 503, "store-unavailable"),
-            (upstream_failed(), 502, "upstream-failed"),
-            (upstream_timeout(5), 504, "upstream-timeout"),
-            (missing_message_id(), 400, "missing-message-id"),
-            (invalid_message_id(IdError::Empty), 400, "invalid-message-id"),
-            (message_in_flight(1), 409, "message-in-flight"),
-            (encoding_not_acceptable("gzip"), 406, "encoding-not-acceptable"),
+            (missing_key(&c()), 400, "missing-key"),
+            (invalid_key(&c(), KeyError::Empty), 400, "invalid-key"),
+            (body_too_large(&c(), 10), 413, "body-too-large"),
+            (key_reused(&c(), &Differs::Body), 422, "key-reused"),
+            (in_flight(&c(), 1), 409, "request-in-flight"),
+            (store_unavailable(&c()), 503, "store-unavailable"),
+            (upstream_failed(&c()), 502, "upstream-failed"),
+            (upstream_timeout(&c(), 5), 504, "upstream-timeout"),
+            (missing_message_id(&c()), 400, "missing-message-id"),
+            (invalid_message_id(&c(), IdError::Empty), 400, "invalid-message-id"),
+            (message_in_flight(&c(), 1), 409, "message-in-flight"),
+            (encoding_not_acceptable(&c(), "gzip"), 406, "encoding-not-acceptable"),
         ] {
             assert_eq!(r.status, status);
             assert_eq!(r.headers[0], ("content-type".into(), "application/problem+json".into()));
             let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
             assert_eq!(v["status"], status);
             assert_eq!(v["code"], code);
-            assert!(v["type"].as_str().unwrap().starts_with(TYPE_BASE));
+            assert!(v["type"].as_str().unwrap().starts_with(TAG_TYPE_BASE));
             assert!(v["title"].is_string());
             assert!(v["detail"].is_string());
         }
@@ -304,23 +395,23 @@ mod tests {
     #[test]
     fn key_reused_says_what_differed() {
         let v = |r: LocalResponse| serde_json::from_slice::<serde_json::Value>(&r.body).unwrap();
-        assert_eq!(v(key_reused(&Differs::Body))["differs"], "body");
-        assert_eq!(v(key_reused(&Differs::Target))["differs"], "target");
-        let h = v(key_reused(&Differs::Header("x-tenant".into())));
+        assert_eq!(v(key_reused(&c(), &Differs::Body))["differs"], "body");
+        assert_eq!(v(key_reused(&c(), &Differs::Target))["differs"], "target");
+        let h = v(key_reused(&c(), &Differs::Header("x-tenant".into())));
         assert_eq!((h["differs"].as_str(), h["header"].as_str()), (Some("header"), Some("x-tenant")));
         assert!(h["detail"].as_str().unwrap().contains("x-tenant"));
-        assert_eq!(v(key_reused(&Differs::Body)).get("header"), None);
+        assert_eq!(v(key_reused(&c(), &Differs::Body)).get("header"), None);
     }
 
     #[test]
     fn retry_after_is_the_lock_time_left_in_whole_seconds() {
         let after =
             |r: LocalResponse| r.headers.iter().find(|(n, _)| n == "retry-after").map(|(_, v)| v.clone());
-        assert_eq!(after(in_flight(0)).as_deref(), Some("1"));
-        assert_eq!(after(in_flight(1)).as_deref(), Some("1"));
-        assert_eq!(after(in_flight(1000)).as_deref(), Some("1"));
-        assert_eq!(after(in_flight(1001)).as_deref(), Some("2"));
-        assert_eq!(after(message_in_flight(29_500)).as_deref(), Some("30"));
+        assert_eq!(after(in_flight(&c(), 0)).as_deref(), Some("1"));
+        assert_eq!(after(in_flight(&c(), 1)).as_deref(), Some("1"));
+        assert_eq!(after(in_flight(&c(), 1000)).as_deref(), Some("1"));
+        assert_eq!(after(in_flight(&c(), 1001)).as_deref(), Some("2"));
+        assert_eq!(after(message_in_flight(&c(), 29_500)).as_deref(), Some("30"));
     }
 
     fn grpc_header<'a>(r: &'a LocalResponse, name: &str) -> Option<&'a str> {
@@ -330,10 +421,10 @@ mod tests {
     #[test]
     fn problems_become_statuses() {
         let cases = [
-            (missing_key(), grpc::INVALID_ARGUMENT, "missing-key: "),
-            (body_too_large(10), grpc::RESOURCE_EXHAUSTED, "body-too-large: "),
-            (key_reused(&Differs::Body), grpc::FAILED_PRECONDITION, "key-reused: "),
-            (store_unavailable(), grpc::UNAVAILABLE, "store-unavailable: "),
+            (missing_key(&c()), grpc::INVALID_ARGUMENT, "missing-key: "),
+            (body_too_large(&c(), 10), grpc::RESOURCE_EXHAUSTED, "body-too-large: "),
+            (key_reused(&c(), &Differs::Body), grpc::FAILED_PRECONDITION, "key-reused: "),
+            (store_unavailable(&c()), grpc::UNAVAILABLE, "store-unavailable: "),
         ];
         for (p, code, prefix) in cases {
             let r = grpc(p, None);
@@ -345,7 +436,7 @@ mod tests {
             assert!(message.starts_with(prefix), "{message}");
             assert!(!message.contains('%'), "{message}");
         }
-        let busy = grpc(in_flight(30_000), Some(1234));
+        let busy = grpc(in_flight(&c(), 30_000), Some(1234));
         assert_eq!(grpc_header(&busy, "grpc-status"), Some("14"));
         assert_eq!(grpc_header(&busy, "grpc-retry-pushback-ms"), Some("1234"));
         assert_eq!(grpc_header(&busy, "retry-after"), None);

@@ -23,13 +23,17 @@ pub fn answer(
     accept_encoding: &[Vec<u8>],
 ) -> (LocalResponse, Metric) {
     let replayed = (cfg.replay_header.clone(), "true".to_string());
+    // Until when a retry of it is safe: when the store forgets the record, if that is known.
+    let expiry = match (&cfg.expiry_header, record.expires_ms.and_then(headers::http_date)) {
+        (Some(name), Some(date)) => Some((name.clone(), date)),
+        _ => None,
+    };
     if let Some(status) = cfg.inbox().and_then(|i| i.duplicate_status) {
-        return (
-            LocalResponse { status: u32::from(status), headers: vec![replayed], body: Vec::new() },
-            Metric::Replayed,
-        );
+        let mut headers = vec![replayed];
+        headers.extend(expiry);
+        return (LocalResponse { status: u32::from(status), headers, body: Vec::new() }, Metric::Replayed);
     }
-    if let Some(refusal) = made_for_another(&record, print) {
+    if let Some(refusal) = made_for_another(cfg, &record, print) {
         return (refusal, Metric::Mismatched);
     }
     let mut headers = record.headers;
@@ -38,6 +42,7 @@ pub fn answer(
         headers.retain(|(n, _)| n != "content-encoding" && n != "content-range");
         headers.push(replayed);
         headers.push((cfg.body_omitted_header.clone(), "true".to_string()));
+        headers.extend(expiry);
         return (
             LocalResponse { status: u32::from(record.status), headers, body: Vec::new() },
             Metric::Replayed,
@@ -45,16 +50,21 @@ pub fn answer(
     }
     let coding = headers.iter().find(|(n, _)| n == "content-encoding");
     if let Some(refused) = coding.and_then(|(_, v)| headers::refused_coding(accept_encoding, v.as_bytes())) {
-        return (problem::encoding_not_acceptable(&refused), Metric::Rejected);
+        return (problem::encoding_not_acceptable(cfg, &refused), Metric::Rejected);
     }
     headers.push(replayed);
+    headers.extend(expiry);
     (LocalResponse { status: u32::from(record.status), headers, body: record.body }, Metric::Replayed)
 }
 
 /// The `422` for a retry whose request is not the one `record` was made for, if it is not.
-pub fn made_for_another(record: &Record, print: Option<&RequestPrint>) -> Option<LocalResponse> {
+pub fn made_for_another(
+    cfg: &Config,
+    record: &Record,
+    print: Option<&RequestPrint>,
+) -> Option<LocalResponse> {
     let what = record.print.as_ref()?.differs_from(print?)?;
-    Some(problem::key_reused(&what))
+    Some(problem::key_reused(cfg, &what))
 }
 
 #[cfg(test)]
@@ -78,6 +88,7 @@ mod tests {
             body_omitted: false,
             print: Some(print(1)),
             trailers: None,
+            expires_ms: None,
         }
     }
 
@@ -106,11 +117,11 @@ mod tests {
     fn another_request_is_422_never_a_replay() {
         let (r, m) = answer(&cfg(""), record(&[], b"{}"), Some(&print(2)), &[]);
         assert_eq!((r.status, m), (422, Metric::Mismatched));
-        assert_eq!(r.body, problem::key_reused(&Differs::Target).body);
+        assert_eq!(r.body, problem::key_reused(&cfg(""), &Differs::Target).body);
         let mut other = print(1);
         other.headers[0].1 = [2; 32];
         let (r, _) = answer(&cfg(""), record(&[], b"{}"), Some(&other), &[]);
-        assert_eq!(r.body, problem::key_reused(&Differs::Header("x-tenant".into())).body);
+        assert_eq!(r.body, problem::key_reused(&cfg(""), &Differs::Header("x-tenant".into())).body);
         // A record without a print (the first format) replays as it did.
         let old = Record { print: None, ..record(&[], b"{}") };
         assert_eq!(answer(&cfg(""), old, Some(&print(2)), &[]).1, Metric::Replayed);

@@ -37,6 +37,8 @@ pub struct MockView {
     pub response_trailers: Vec<(String, Vec<u8>)>,
     /// Random draws so far (see `random_bytes`).
     pub draws: std::cell::Cell<u8>,
+    /// The wall clock (`None`: the host cannot tell).
+    pub now_ms: Option<u64>,
 }
 
 impl MockView {
@@ -68,6 +70,9 @@ impl MockView {
 }
 
 impl StreamView for MockView {
+    fn now_ms(&self) -> Option<u64> {
+        self.now_ms
+    }
     fn request_headers(&self) -> Vec<(String, Vec<u8>)> {
         self.request.clone()
     }
@@ -292,7 +297,7 @@ impl Driver {
                 self.resumed = matches!(effect, Effect::Resume);
                 self.upstream_pending = matches!(effect, Effect::Upstream(_));
             }
-            Effect::Store(StoreCall::Begin { key, body_hash }) => {
+            Effect::Store(StoreCall::Begin { key, body_hash, .. }) => {
                 if self.begun.is_some() {
                     return self.violation("a second begin".into());
                 }
@@ -304,7 +309,7 @@ impl Driver {
                 self.begin_pending = true;
                 self.tally.begins += 1;
             }
-            Effect::Store(StoreCall::Commit { key, token, body_hash, record }) => {
+            Effect::Store(StoreCall::Commit { key, token, body_hash, record, .. }) => {
                 if self.begun.as_ref() != Some(&(key.clone(), body_hash.clone())) {
                     return self
                         .violation(format!("a commit for another key or body: {key:?} {body_hash:?}"));
@@ -347,6 +352,7 @@ impl Driver {
             | Effect::RemoveRequestHeader(_)
             | Effect::AddResponseTrailers(_)
             | Effect::RemoveResponseHeader(_)
+            | Effect::SetResponseHeader(..)
             | Effect::Count(_) => {}
         }
         Ok(())

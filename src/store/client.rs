@@ -9,9 +9,37 @@ use crate::store::record::Record;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreCall {
-    Begin { key: String, body_hash: String },
-    Commit { key: String, token: LockToken, body_hash: String, record: Vec<u8> },
-    Release { key: String, token: LockToken },
+    Begin {
+        key: String,
+        body_hash: String,
+        lock: LockTerms,
+    },
+    /// `retention_s`: how long the store keeps the record (the route's `retention_seconds`).
+    Commit {
+        key: String,
+        token: LockToken,
+        body_hash: String,
+        record: Vec<u8>,
+        retention_s: u64,
+    },
+    Release {
+        key: String,
+        token: LockToken,
+    },
+}
+
+/// The lock a `begin` asks for: its TTL and how long to wait for another holder's. They are
+/// the request's route's (`routes`), so each call carries them rather than the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LockTerms {
+    pub ttl_ms: u64,
+    pub wait_ms: u64,
+}
+
+impl LockTerms {
+    pub fn of(cfg: &Config) -> LockTerms {
+        LockTerms { ttl_ms: cfg.lock_ttl_ms, wait_ms: cfg.lock_wait_ms }
+    }
 }
 
 /// The lock a `begin` granted, which the machine gives back with its commit or release.
@@ -98,6 +126,14 @@ impl StoreCall {
         }
     }
 
+    /// A commit's retention.
+    pub fn retention_s(&self) -> Option<u64> {
+        match self {
+            StoreCall::Commit { retention_s, .. } => Some(*retention_s),
+            StoreCall::Begin { .. } | StoreCall::Release { .. } => None,
+        }
+    }
+
     /// What to send when this call failed on its `attempt`-th try (0 first). A failed commit is
     /// tried once more (safe: if the first one did land, the second finds the record and keeps
     /// it), then its lock is released, so that duplicates run again instead of waiting out the
@@ -125,21 +161,21 @@ impl StoreCall {
             headers.push((proto::HEADER_SECRET, secret.as_str().to_string()));
         }
         let (path, body, timeout_ms) = match self {
-            StoreCall::Begin { body_hash, .. } => {
+            StoreCall::Begin { body_hash, lock, .. } => {
                 headers.push((proto::HEADER_BODY_HASH, body_hash.clone()));
-                headers.push((proto::HEADER_LOCK_TTL_MS, cfg.lock_ttl_ms.to_string()));
-                headers.push((proto::HEADER_WAIT_MS, cfg.lock_wait_ms.to_string()));
+                headers.push((proto::HEADER_LOCK_TTL_MS, lock.ttl_ms.to_string()));
+                headers.push((proto::HEADER_WAIT_MS, lock.wait_ms.to_string()));
                 // The store may hold the call for the whole wait before it answers.
-                let timeout_ms = cfg.store_timeout_ms + cfg.lock_wait_ms;
+                let timeout_ms = cfg.store_timeout_ms + lock.wait_ms;
                 if let Some(sent) = sent_ms {
                     headers.push((proto::HEADER_DEADLINE_MS, sent.saturating_add(timeout_ms).to_string()));
                 }
                 (proto::PATH_BEGIN, None, timeout_ms)
             }
-            StoreCall::Commit { token, body_hash, record, .. } => {
+            StoreCall::Commit { token, body_hash, record, retention_s, .. } => {
                 headers.push((proto::HEADER_TOKEN, token.to_string()));
                 headers.push((proto::HEADER_BODY_HASH, body_hash.clone()));
-                headers.push((proto::HEADER_RETENTION_S, cfg.retention_seconds.to_string()));
+                headers.push((proto::HEADER_RETENTION_S, retention_s.to_string()));
                 headers.push(("content-type", "application/octet-stream".to_string()));
                 (proto::PATH_COMMIT, Some(record.clone()), cfg.store_timeout_ms)
             }
@@ -157,8 +193,8 @@ impl StoreCall {
 /// idemstore's default body limit (8 MiB) with room to spare; a bigger record goes alone.
 pub const MAX_BATCH_BYTES: usize = 1024 * 1024;
 
-/// One `commits` callout for these commits (each a [`StoreCall::Commit`]; anything else is left
-/// out, as no caller sends one).
+/// One `commits` callout for these commits (each a [`StoreCall::Commit`], all with the same
+/// retention, the first's; anything else is left out, as no caller sends one).
 pub fn batch_callout(cfg: &Config, commits: &[&StoreCall]) -> Callout {
     let mut headers = vec![
         (":method", "POST".to_string()),
@@ -168,11 +204,12 @@ pub fn batch_callout(cfg: &Config, commits: &[&StoreCall]) -> Callout {
     if let Some(secret) = &cfg.store_secret {
         headers.push((proto::HEADER_SECRET, secret.as_str().to_string()));
     }
-    headers.push((proto::HEADER_RETENTION_S, cfg.retention_seconds.to_string()));
+    let retention_s = commits.iter().find_map(|c| c.retention_s()).unwrap_or(cfg.retention_seconds);
+    headers.push((proto::HEADER_RETENTION_S, retention_s.to_string()));
     headers.push(("content-type", "application/octet-stream".to_string()));
     let mut body = Vec::new();
     for call in commits {
-        if let StoreCall::Commit { key, token, body_hash, record } = call {
+        if let StoreCall::Commit { key, token, body_hash, record, .. } = call {
             proto::encode_batch_item(&mut body, key, &token.to_string(), body_hash, record);
         }
     }
@@ -362,20 +399,30 @@ mod tests {
     #[test]
     fn callouts() {
         let k = "a".repeat(64);
-        let begin = StoreCall::Begin { key: k.clone(), body_hash: "b".repeat(64) }.callout(&cfg(), None);
+        let begin = StoreCall::Begin {
+            key: k.clone(),
+            body_hash: "b".repeat(64),
+            lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+        }
+        .callout(&cfg(), None);
         assert_eq!(begin.timeout_ms, 1000);
         assert!(begin.headers.contains(&(":path", "/v1/begin".into())));
         assert!(begin.headers.contains(&(proto::HEADER_WAIT_MS, "300".into())));
         assert!(begin.headers.contains(&(proto::HEADER_LOCK_TTL_MS, "30000".into())));
         assert!(!begin.headers.iter().any(|(n, _)| *n == proto::HEADER_DEADLINE_MS));
-        let sent =
-            StoreCall::Begin { key: k.clone(), body_hash: "b".repeat(64) }.callout(&cfg(), Some(5_000));
+        let sent = StoreCall::Begin {
+            key: k.clone(),
+            body_hash: "b".repeat(64),
+            lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+        }
+        .callout(&cfg(), Some(5_000));
         assert!(sent.headers.contains(&(proto::HEADER_DEADLINE_MS, "6000".into())), "sent + 700 + 300");
         let commit = StoreCall::Commit {
             key: k.clone(),
             token: "t".into(),
             body_hash: "b".repeat(64),
             record: vec![1, 2],
+            retention_s: 86_400,
         }
         .callout(&cfg(), None);
         assert_eq!(commit.timeout_ms, 700);
@@ -393,6 +440,7 @@ mod tests {
             token: format!("t{k}").into(),
             body_hash: "b".repeat(64),
             record: record.to_vec(),
+            retention_s: 86_400,
         };
         let (one, two) = (commit('a', b"r1"), commit('c', b"r\n2"));
         let c = batch_callout(&cfg(), &[&one, &two]);
@@ -422,12 +470,17 @@ mod tests {
     fn callouts_carry_the_secret_when_configured() {
         let k = "a".repeat(64);
         let calls = [
-            StoreCall::Begin { key: k.clone(), body_hash: "b".repeat(64) },
+            StoreCall::Begin {
+                key: k.clone(),
+                body_hash: "b".repeat(64),
+                lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+            },
             StoreCall::Commit {
                 key: k.clone(),
                 token: "t".into(),
                 body_hash: "b".repeat(64),
                 record: vec![1],
+                retention_s: 86_400,
             },
             StoreCall::Release { key: k, token: "t".into() },
         ];
@@ -461,13 +514,26 @@ mod tests {
 
     #[test]
     fn failed_commit_is_retried_once_then_released() {
-        let commit =
-            StoreCall::Commit { key: "k".into(), token: "t".into(), body_hash: "h".into(), record: vec![1] };
+        let commit = StoreCall::Commit {
+            key: "k".into(),
+            token: "t".into(),
+            body_hash: "h".into(),
+            record: vec![1],
+            retention_s: 86_400,
+        };
         assert_eq!(commit.after_fault(0), Some(commit.clone()));
         let release = StoreCall::Release { key: "k".into(), token: "t".into() };
         assert_eq!(commit.after_fault(1), Some(release.clone()));
         assert_eq!(release.after_fault(0), None);
-        assert_eq!(StoreCall::Begin { key: "k".into(), body_hash: "h".into() }.after_fault(0), None);
+        assert_eq!(
+            StoreCall::Begin {
+                key: "k".into(),
+                body_hash: "h".into(),
+                lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 }
+            }
+            .after_fault(0),
+            None
+        );
     }
 
     #[test]

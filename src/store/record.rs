@@ -54,6 +54,9 @@ pub struct Record {
     pub print: Option<RequestPrint>,
     /// A gRPC answer's trailers, `grpc-status` among them; `None` for an HTTP answer.
     pub trailers: Option<Vec<(String, String)>>,
+    /// When the store forgets the record (milliseconds since the Unix epoch), when whoever
+    /// read it could tell: for `expiry_header`. Not part of the record's bytes.
+    pub expires_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,7 +149,7 @@ impl Record {
         if body_omitted && !r.0.is_empty() {
             return Err(DecodeError("a body where it was omitted"));
         }
-        Ok(Record { status, headers, body: r.0.to_vec(), body_omitted, print, trailers })
+        Ok(Record { status, headers, body: r.0.to_vec(), body_omitted, print, trailers, expires_ms: None })
     }
 }
 
@@ -266,6 +269,7 @@ mod tests {
             body_omitted: false,
             print: Some(print()),
             trailers: None,
+            expires_ms: None,
         }
     }
 

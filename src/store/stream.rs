@@ -29,7 +29,7 @@ pub fn fits(call: &StoreCall) -> bool {
 pub fn timeout_ms(call: &StoreCall, cfg: &Config) -> u64 {
     match call {
         // The store may hold a `begin` for the whole wait before it answers.
-        StoreCall::Begin { .. } => cfg.store_timeout_ms + cfg.lock_wait_ms,
+        StoreCall::Begin { lock, .. } => cfg.store_timeout_ms + lock.wait_ms,
         StoreCall::Commit { .. } | StoreCall::Release { .. } => cfg.store_timeout_ms,
     }
 }
@@ -38,18 +38,18 @@ pub fn timeout_ms(call: &StoreCall, cfg: &Config) -> u64 {
 /// Unix epoch, when the host can tell): a `begin` carries when the filter gives up on it.
 pub fn encode(call: &StoreCall, id: u64, cfg: &Config, sent_ms: Option<u64>) -> Vec<u8> {
     let op = match call {
-        StoreCall::Begin { key, body_hash } => Op::Begin(wire::Begin {
+        StoreCall::Begin { key, body_hash, lock } => Op::Begin(wire::Begin {
             key: key.clone(),
             body_hash: body_hash.clone(),
-            lock_ttl_ms: cfg.lock_ttl_ms,
-            wait_ms: cfg.lock_wait_ms,
+            lock_ttl_ms: lock.ttl_ms,
+            wait_ms: lock.wait_ms,
             deadline_ms: sent_ms.map_or(0, |sent| sent.saturating_add(timeout_ms(call, cfg))),
         }),
-        StoreCall::Commit { key, token, body_hash, record } => Op::Commit(wire::Commit {
+        StoreCall::Commit { key, token, body_hash, record, retention_s } => Op::Commit(wire::Commit {
             key: key.clone(),
             token: token.to_string(),
             body_hash: body_hash.clone(),
-            retention_s: cfg.retention_seconds,
+            retention_s: *retention_s,
             record: record.clone(),
         }),
         StoreCall::Release { key, token } => {
@@ -194,7 +194,11 @@ mod tests {
 
     #[test]
     fn calls_carry_what_their_callouts_carry() {
-        let begin = StoreCall::Begin { key: "k".repeat(64), body_hash: "b".repeat(64) };
+        let begin = StoreCall::Begin {
+            key: "k".repeat(64),
+            body_hash: "b".repeat(64),
+            lock: crate::store::client::LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+        };
         let call = wire::Call::decode(encode(&begin, 3, &cfg(), Some(5_000)).as_slice()).unwrap();
         assert_eq!(call.id, 3);
         let Some(Op::Begin(b)) = call.op else { panic!("{call:?}") };
@@ -206,6 +210,7 @@ mod tests {
             token: "t".into(),
             body_hash: "h".into(),
             record: vec![0, 255],
+            retention_s: 86_400,
         };
         let call = wire::Call::decode(encode(&commit, 4, &cfg(), None).as_slice()).unwrap();
         let Some(Op::Commit(c)) = call.op else { panic!("{call:?}") };
@@ -228,6 +233,7 @@ mod tests {
             token: "t".into(),
             body_hash: "h".into(),
             record: vec![0; n],
+            retention_s: 86_400,
         };
         assert!(fits(&commit(MAX_STREAM_RECORD)));
         assert!(!fits(&commit(MAX_STREAM_RECORD + 1)));

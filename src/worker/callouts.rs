@@ -281,13 +281,26 @@ impl Callouts {
         let sent_us = clock.now_us();
         let mut batch: Vec<Job> = Vec::new();
         let mut bytes = 0;
-        for job in std::mem::take(&mut self.held) {
-            let size = match &job.call {
-                Call::Store(StoreCall::Commit { record, .. }) => record.len(),
-                _ => 0,
+        let mut held = std::mem::take(&mut self.held);
+        // A batch has one retention: commits of routes with different ones go in different
+        // batches (stable: in order within each).
+        held.sort_by_key(|job| match &job.call {
+            Call::Store(call) => call.retention_s(),
+            _ => None,
+        });
+        for job in held {
+            let (size, retention_s) = match &job.call {
+                Call::Store(call @ StoreCall::Commit { record, .. }) => (record.len(), call.retention_s()),
+                _ => (0, None),
             };
+            let other_retention = batch.first().is_some_and(|first| match &first.call {
+                Call::Store(call) => call.retention_s() != retention_s,
+                _ => false,
+            });
             if !batch.is_empty()
-                && (batch.len() == idem_protocol::MAX_BATCH_ITEMS || bytes + size > client::MAX_BATCH_BYTES)
+                && (batch.len() == idem_protocol::MAX_BATCH_ITEMS
+                    || bytes + size > client::MAX_BATCH_BYTES
+                    || other_retention)
             {
                 self.dispatch_batch(std::mem::take(&mut batch), sent_us, out);
                 bytes = 0;

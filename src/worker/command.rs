@@ -43,6 +43,12 @@ pub enum Command {
         stream: u32,
         name: String,
     },
+    /// Only in the stream's own response-headers callback (`expiry_header`).
+    SetResponseHeader {
+        stream: u32,
+        name: String,
+        value: String,
+    },
     /// Only in the stream's own response-body callback (the replay listener).
     AddResponseTrailers {
         stream: u32,

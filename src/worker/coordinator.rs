@@ -264,10 +264,14 @@ impl Coordinator {
         now_us: Option<u64>,
     ) -> Answered {
         match call {
-            StoreCall::Begin { key, body_hash } => {
-                let begun = answer.begin();
-                if let Ok(BeginAnswer::Replay(record)) = &begun {
-                    self.path.remember(key, body_hash, record, answer.record_ttl_ms(), sent_us, now_us);
+            StoreCall::Begin { key, body_hash, .. } => {
+                let mut begun = answer.begin();
+                if let Ok(BeginAnswer::Replay(record)) = &mut begun {
+                    let ttl_ms = answer.record_ttl_ms();
+                    self.path.remember(key, body_hash, record, ttl_ms, sent_us, now_us);
+                    // From when the call went out: the store said it a little later.
+                    let asked_ms = sent_us.or(now_us).map(|us| us / 1000);
+                    record.expires_ms = ttl_ms.zip(asked_ms).map(|(ttl, at)| at.saturating_add(ttl));
                 }
                 Answered::Begin(begun)
             }
@@ -510,7 +514,7 @@ impl Coordinator {
         let presence = self.presence(job.stream);
         let stream_alive = match outcome {
             Answered::Begin(answer) => match (&job.call, answer) {
-                (Call::Store(StoreCall::Begin { key, body_hash }), Err(fault))
+                (Call::Store(StoreCall::Begin { key, body_hash, .. }), Err(fault))
                     if presence != Presence::Unknown =>
                 {
                     let outcome = self.path.begin_failed(job.stream, key, body_hash, fault, presence, env);
@@ -518,7 +522,7 @@ impl Coordinator {
                     effects.extend(more);
                     alive
                 }
-                (Call::Store(StoreCall::Begin { key, body_hash }), Ok(BeginAnswer::Locked { token }))
+                (Call::Store(StoreCall::Begin { key, body_hash, .. }), Ok(BeginAnswer::Locked { token }))
                     if presence != Presence::Unknown =>
                 {
                     let (more, alive) = match self.path.adopt(job.stream, key, body_hash, &token, env) {
@@ -687,6 +691,9 @@ impl Coordinator {
                 Effect::Respond(_) | Effect::Resume | Effect::Hop { .. } => {}
                 Effect::RemoveResponseHeader(name) => {
                     self.commands.push_back(Command::RemoveResponseHeader { stream, name })
+                }
+                Effect::SetResponseHeader(name, value) => {
+                    self.commands.push_back(Command::SetResponseHeader { stream, name, value })
                 }
                 Effect::AddResponseTrailers(trailers) => {
                     self.commands.push_back(Command::AddResponseTrailers { stream, trailers })

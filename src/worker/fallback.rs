@@ -82,11 +82,13 @@ impl Fallback {
         if !cfg.local_fallback || cfg.failure_mode != FailureMode::Open || cfg.mode == Mode::Mint {
             return None;
         }
+        // Local locks and records serve every route: they last as long as the longest route's.
+        let (retention_seconds, lock_ttl_ms) = cfg.longest_terms();
         let store = LocalStore::new(
             cfg.local_record_entries,
             cfg.local_record_bytes,
-            cfg.lock_ttl_ms,
-            cfg.retention_seconds.saturating_mul(1000),
+            lock_ttl_ms,
+            retention_seconds.saturating_mul(1000),
         );
         Some(Fallback {
             store,

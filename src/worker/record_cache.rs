@@ -89,7 +89,7 @@ impl RecordCache {
             return Cached::Miss;
         }
         if entry.body_hash == body_hash {
-            Cached::Replay(entry.record.clone())
+            Cached::Replay(Record { expires_ms: Some(entry.expires_ms), ..entry.record.clone() })
         } else {
             Cached::Mismatch
         }
@@ -168,6 +168,11 @@ mod tests {
         }
     }
 
+    /// `record`, as a replay from the cache tells it: with its expiry.
+    fn until(record: Record, expires_ms: u64) -> Record {
+        Record { expires_ms: Some(expires_ms), ..record }
+    }
+
     const H1: &str = "h1";
     const H2: &str = "h2";
 
@@ -176,7 +181,7 @@ mod tests {
         let mut c = RecordCache::new(10, 1 << 20);
         assert_eq!(c.lookup("k", H1, 0), Cached::Miss);
         c.remember("k", H1, &record("{}"), 1_000, 0);
-        assert_eq!(c.lookup("k", H1, 999), Cached::Replay(record("{}")));
+        assert_eq!(c.lookup("k", H1, 999), Cached::Replay(until(record("{}"), 1_000)));
         assert_eq!(c.lookup("k", H2, 999), Cached::Mismatch);
         assert_eq!(c.lookup("k", H1, 1_000), Cached::Miss, "expired exactly at its expiry");
         assert!(c.is_empty());
@@ -203,7 +208,7 @@ mod tests {
         }
         assert_eq!(c.len(), 3);
         assert_eq!(c.lookup("a", H1, 1), Cached::Miss);
-        assert_eq!(c.lookup("d", H1, 1), Cached::Replay(record("d")));
+        assert_eq!(c.lookup("d", H1, 1), Cached::Replay(until(record("d"), 1_000)));
     }
 
     #[test]
@@ -216,7 +221,7 @@ mod tests {
             assert!(c.bytes() <= 5 * one);
         }
         assert_eq!(c.len(), 5);
-        assert_eq!(c.lookup("k19", H1, 1), Cached::Replay(record(&body)));
+        assert_eq!(c.lookup("k19", H1, 1), Cached::Replay(until(record(&body), 1_000)));
         assert_eq!(c.lookup("k14", H1, 1), Cached::Miss);
         // A record bigger than a quarter of the budget is never cached.
         c.remember("big", H1, &record(&"y".repeat(2 * one)), 1_000, 0);
@@ -235,6 +240,6 @@ mod tests {
         }
         let live: usize = c.entries.values().map(|e| e.cost).sum();
         assert_eq!(c.bytes(), live);
-        assert_eq!(c.lookup("hot", H1, 5_000), Cached::Replay(record("{}")));
+        assert_eq!(c.lookup("hot", H1, 5_000), Cached::Replay(until(record("{}"), 10_999)));
     }
 }

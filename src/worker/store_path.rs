@@ -93,7 +93,7 @@ impl StorePath {
         out: &mut VecDeque<Command>,
     ) -> Routed {
         match call {
-            StoreCall::Commit { key, token: LockToken::Local(owner), body_hash, record } => {
+            StoreCall::Commit { key, token: LockToken::Local(owner), body_hash, record, .. } => {
                 if let Some(f) = &mut self.fallback {
                     for (metric, n) in f.commit(env, &key, owner, &body_hash, &record, env.now_ms()) {
                         out.push_back(Command::Add { metric, n });
@@ -117,7 +117,7 @@ impl StorePath {
                     }
                     _ => {}
                 }
-                if let (StoreCall::Begin { key, body_hash }, Presence::Live | Presence::Gone) =
+                if let (StoreCall::Begin { key, body_hash, .. }, Presence::Live | Presence::Gone) =
                     (&call, presence)
                 {
                     if let Some(answer) = self.cached_begin(key, body_hash, env) {
@@ -173,7 +173,14 @@ impl StorePath {
         let (key, token) = (key.to_string(), token.clone());
         let call = match &outcome {
             LocalAnswer::Answer(Ok(BeginAnswer::Replay(record)), _) => {
-                StoreCall::Commit { key, token, body_hash: body_hash.to_string(), record: record.encode() }
+                let (retention_s, _) = self.cfg.longest_terms();
+                StoreCall::Commit {
+                    key,
+                    token,
+                    body_hash: body_hash.to_string(),
+                    record: record.encode(),
+                    retention_s,
+                }
             }
             _ => StoreCall::Release { key, token },
         };
@@ -191,7 +198,7 @@ impl StorePath {
         out: &mut VecDeque<Command>,
     ) -> Option<StoreCall> {
         let kept = match (call, &mut self.fallback) {
-            (StoreCall::Commit { key, token: LockToken::Store(token), body_hash, record }, Some(f))
+            (StoreCall::Commit { key, token: LockToken::Store(token), body_hash, record, .. }, Some(f))
                 if attempt > 0 =>
             {
                 let (kept, dropped) = f.keep(env, key, token, body_hash, record, env.now_ms());
@@ -280,6 +287,8 @@ impl StorePath {
         let Some(f) = &mut self.fallback else { return Tick::default() };
         let due = f.due(env, now_ms, gone);
         let (claimed, local_records) = if scan { f.hand_backs(env, now_ms) } else { (vec![], None) };
+        // A local record's route is not known any more: kept as long as the longest route's.
+        let (retention_s, _) = self.cfg.longest_terms();
         // Under the store's lock it was made under, if any: the commit ends that lock too.
         let hand_backs = claimed
             .into_iter()
@@ -292,6 +301,7 @@ impl StorePath {
                 }),
                 body_hash: h.body_hash,
                 record: h.record,
+                retention_s,
             })
             .collect();
         Tick { due, hand_backs, local_records }

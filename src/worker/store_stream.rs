@@ -445,7 +445,15 @@ mod tests {
     }
 
     fn begin(key: &str) -> Job {
-        Job::new(7, Rc::from("-"), Call::Store(StoreCall::Begin { key: key.into(), body_hash: "h".into() }))
+        Job::new(
+            7,
+            Rc::from("-"),
+            Call::Store(StoreCall::Begin {
+                key: key.into(),
+                body_hash: "h".into(),
+                lock: crate::store::client::LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+            }),
+        )
     }
 
     fn sent(out: &mut VecDeque<Command>) -> Vec<(u32, u64)> {

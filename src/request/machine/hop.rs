@@ -16,7 +16,7 @@ const MAX_HOP_BODY: usize = 8 * 1024 * 1024 + 2 * record::MAX_HEADERS * (record:
 impl Machine {
     /// The guard: the answer for a gRPC retry whose key has `record`.
     pub(super) fn grpc_replay(&self, record: Record) -> Vec<Effect> {
-        if let Some(refusal) = replay::made_for_another(&record, self.print.as_ref()) {
+        if let Some(refusal) = replay::made_for_another(&self.cfg, &record, self.print.as_ref()) {
             return vec![Effect::Respond(refusal), Effect::Count(Metric::Mismatched)];
         }
         if record.trailers.is_none() {

@@ -47,7 +47,7 @@ use crate::request::key;
 use crate::request::metrics::Metric;
 use crate::request::problem::{self, LocalResponse};
 use crate::request::replay;
-use crate::store::client::{BeginAnswer, CalloutFault, LockToken, StoreCall};
+use crate::store::client::{BeginAnswer, CalloutFault, LockTerms, LockToken, StoreCall};
 use crate::store::record::RequestPrint;
 use crate::store::record::{self, Record};
 
@@ -70,6 +70,8 @@ pub trait StreamView {
     fn random_bytes(&self) -> Option<[u8; 16]>;
     /// The response trailers, in order (read in the trailers callback).
     fn response_trailers(&self) -> Vec<(String, Vec<u8>)>;
+    /// The wall clock, milliseconds since the Unix epoch, if the host can tell.
+    fn now_ms(&self) -> Option<u64>;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,6 +107,8 @@ pub enum Effect {
     /// The replay listener: a header Envoy put on its local answer that the original answer
     /// did not have (`content-length`).
     RemoveResponseHeader(String),
+    /// Set a header on the upstream's answer, in its headers callback (`expiry_header`).
+    SetResponseHeader(String, String),
     Count(Metric),
 }
 
@@ -223,6 +227,8 @@ pub struct Machine {
     grpc: Option<Frames>,
     /// The request body's length when `begin` went out (what a gRPC replay replaces).
     request_len: usize,
+    /// The Envoy route's name, when it was read to choose the route's policy.
+    route_name: Option<Vec<u8>>,
 }
 
 impl Machine {
@@ -235,6 +241,7 @@ impl Machine {
             accept_encoding: Vec::new(),
             grpc: None,
             request_len: 0,
+            route_name: None,
         }
     }
 

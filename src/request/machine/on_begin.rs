@@ -14,13 +14,13 @@ impl Machine {
                     vec![Effect::Respond(answer), Effect::Count(metric)]
                 }
                 Ok(BeginAnswer::Mismatch) => vec![
-                    Effect::Respond(problem::key_reused(&fingerprint::Differs::Body)),
+                    Effect::Respond(problem::key_reused(&self.cfg, &fingerprint::Differs::Body)),
                     Effect::Count(Metric::Mismatched),
                 ],
                 Ok(BeginAnswer::Withheld) => {
                     let retry_ms = self.cfg.breaker_open_ms.max(1000);
                     vec![
-                        Effect::Respond(problem::answer_withheld(retry_ms)),
+                        Effect::Respond(problem::answer_withheld(&self.cfg, retry_ms)),
                         Effect::Count(Metric::Unavailable),
                     ]
                 }
@@ -28,8 +28,8 @@ impl Machine {
                     // What the store says is left of the holder's lock; never beyond its TTL.
                     let left = lock_ms.unwrap_or(1).min(self.cfg.lock_ttl_ms);
                     let mut problem = match self.cfg.inbox() {
-                        Some(_) => problem::message_in_flight(left),
-                        None => problem::in_flight(left),
+                        Some(_) => problem::message_in_flight(&self.cfg, left),
+                        None => problem::in_flight(&self.cfg, left),
                     };
                     if self.grpc.is_some() {
                         // The lock's exact time left, for the client's retry (`retry-after` has
@@ -81,7 +81,7 @@ impl Machine {
         match self.cfg.failure_mode {
             FailureMode::Open => vec![Effect::Resume, Effect::Count(Metric::Degraded)],
             FailureMode::Closed => vec![
-                Effect::Respond(problem::store_unavailable()),
+                Effect::Respond(problem::store_unavailable(&self.cfg)),
                 Effect::Count(Metric::Degraded),
                 Effect::Count(Metric::Unavailable),
             ],

@@ -13,12 +13,18 @@ impl Machine {
         if self.cfg.mode == Mode::GrpcReplay {
             return self.hop_headers(view, end_of_stream);
         }
+        if !self.cfg.routes.is_empty() {
+            self.route_name = view.property(&["xds", "route_name"]).filter(|n| !n.is_empty());
+            if let Some(cfg) = self.route_name.as_deref().and_then(|n| self.cfg.for_route(n)) {
+                self.cfg = Rc::clone(cfg);
+            }
+        }
         if !view.request_header(grpc::HOP_HEADER).is_empty() {
             // Only this filter sends a request to the replay listener.
             if grpc::kind(first(view.request_header("content-type")).as_deref()) == grpc::Kind::Grpc {
                 self.grpc = Some(Frames::default());
             }
-            return reject(problem::hop_header());
+            return reject(problem::hop_header(&self.cfg));
         }
         let method = first(view.request_header(":method"));
         let Some(method) = method.as_deref().and_then(|m| std::str::from_utf8(m).ok()) else {
@@ -44,8 +50,8 @@ impl Machine {
         let values = view.request_header("idempotency-key");
         let values: Vec<&[u8]> = values.iter().map(Vec::as_slice).collect();
         let client_key = match key::parse_client_key(&values, self.cfg.max_key_length) {
-            Err(e) => return reject(problem::invalid_key(e)),
-            Ok(None) if self.cfg.require_key => return reject(problem::missing_key()),
+            Err(e) => return reject(problem::invalid_key(&self.cfg, e)),
+            Ok(None) if self.cfg.require_key => return reject(problem::missing_key(&self.cfg)),
             Ok(None) => {
                 let mut effects = self.strip_store_key_header(view);
                 effects.push(Effect::Count(Metric::Passthrough));
@@ -55,10 +61,10 @@ impl Machine {
         };
         let effects = vec![Effect::Count(Metric::Guarded)];
         if self.declared_too_large(view) {
-            return too_large(effects, self.cfg.max_body_bytes);
+            return too_large(&self.cfg, effects);
         }
         let subject = self.subject(view);
-        let route = route(view);
+        let route = self.route(view);
         let key = key::store_key(&subject, &method, &route, &client_key);
         let path = first(view.request_header(":path")).unwrap_or_default();
         let header = |name: &str| view.request_header(name);
@@ -153,14 +159,14 @@ impl Machine {
             Ok(AtHeaders::Found(id)) => {
                 let effects = vec![Effect::Count(Metric::Guarded)];
                 if self.declared_too_large(view) {
-                    return too_large(effects, self.cfg.max_body_bytes);
+                    return too_large(&self.cfg, effects);
                 }
-                let key = inbox_key(&method, &route(view), &id);
+                let key = inbox_key(&method, &self.route(view), &id);
                 self.guard(view, key, effects, end_of_stream)
             }
             Ok(AtHeaders::InBody) => {
                 if self.declared_too_large(view) {
-                    return too_large(vec![], self.cfg.max_body_bytes);
+                    return too_large(&self.cfg, vec![]);
                 }
                 // A client's value goes now: the id, and so the key, may never come.
                 let effects = self.strip_store_key_header(view);
@@ -169,7 +175,7 @@ impl Machine {
                 }
                 // Read now: the request headers may be gone by the time the id is.
                 self.accept_encoding = view.request_header("accept-encoding");
-                self.state = State::Reading { method, route: route(view), body: Vec::new() };
+                self.state = State::Reading { method, route: self.route(view), body: Vec::new() };
                 if end_of_stream {
                     let mut step = self.finish_reading();
                     step.effects.splice(0..0, effects);
@@ -191,8 +197,8 @@ impl Machine {
                 effects.push(Effect::Count(Metric::Passthrough));
                 Step::go(effects)
             }
-            IdError::Missing => reject(problem::missing_message_id()),
-            e => reject(problem::invalid_message_id(e)),
+            IdError::Missing => reject(problem::missing_message_id(&self.cfg)),
+            e => reject(problem::invalid_message_id(&self.cfg, e)),
         }
     }
 
@@ -233,7 +239,7 @@ impl Machine {
         };
         if buffered > self.cfg.max_body_bytes {
             self.state = State::Done;
-            return too_large(vec![], self.cfg.max_body_bytes);
+            return too_large(&self.cfg, vec![]);
         }
         let mut now = seen;
         if buffered > seen {
@@ -306,7 +312,11 @@ impl Machine {
                     // The id is the identity: a redelivery may differ in its body.
                     BodyDigest::Constant => INBOX_BODY_HASH.to_string(),
                 };
-                let call = StoreCall::Begin { key: key.clone(), body_hash: body_hash.clone() };
+                let call = StoreCall::Begin {
+                    key: key.clone(),
+                    body_hash: body_hash.clone(),
+                    lock: LockTerms::of(&self.cfg),
+                };
                 self.state = State::Beginning { key, body_hash };
                 vec![Effect::Store(call)]
             }
@@ -396,13 +406,20 @@ fn mint(view: &dyn StreamView) -> Step {
     ])
 }
 
-/// The route part of the scope: the Envoy route's name, else the path without its query.
-pub(super) fn route(view: &dyn StreamView) -> String {
-    match view.property(&["xds", "route_name"]) {
-        Some(name) if !name.is_empty() => String::from_utf8_lossy(&name).into_owned(),
-        _ => {
-            let path = first(view.request_header(":path")).unwrap_or_default();
-            key::route_from_path(&String::from_utf8_lossy(&path)).to_string()
+impl Machine {
+    /// The route part of the scope: the Envoy route's name (read once: see `routes`), else the
+    /// path without its query.
+    pub(super) fn route(&self, view: &dyn StreamView) -> String {
+        let name = match &self.route_name {
+            Some(name) => Some(name.clone()),
+            None => view.property(&["xds", "route_name"]),
+        };
+        match name {
+            Some(name) if !name.is_empty() => String::from_utf8_lossy(&name).into_owned(),
+            _ => {
+                let path = first(view.request_header(":path")).unwrap_or_default();
+                key::route_from_path(&String::from_utf8_lossy(&path)).to_string()
+            }
         }
     }
 }
@@ -422,6 +439,9 @@ struct NoHeaders;
 
 impl StreamView for NoHeaders {
     fn random_bytes(&self) -> Option<[u8; 16]> {
+        None
+    }
+    fn now_ms(&self) -> Option<u64> {
         None
     }
     fn response_trailers(&self) -> Vec<(String, Vec<u8>)> {
@@ -451,8 +471,8 @@ fn reject(response: LocalResponse) -> Step {
     Step::pause(vec![Effect::Respond(response), Effect::Count(Metric::Rejected)])
 }
 
-fn too_large(mut effects: Vec<Effect>, max: usize) -> Step {
-    effects.push(Effect::Respond(problem::body_too_large(max)));
+fn too_large(cfg: &Config, mut effects: Vec<Effect>) -> Step {
+    effects.push(Effect::Respond(problem::body_too_large(cfg, cfg.max_body_bytes)));
     effects.push(Effect::Count(Metric::Rejected));
     Step::pause(effects)
 }

@@ -64,20 +64,25 @@ impl Machine {
                     .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
                 let (head, recorded) = self.answer_head(status, length, |name| view.response_header(name));
                 let keep = keep::decide(&self.cfg, &head);
+                let mut effects: Vec<Effect> = match keep {
+                    Keep::Release => vec![],
+                    Keep::Full | Keep::WithoutBody | Keep::StatusOnly => self.expiry_from(view.now_ms()),
+                };
                 let omitted = match keep {
                     Keep::Full => false,
                     Keep::WithoutBody => true,
                     Keep::StatusOnly | Keep::Release => {
-                        return Step::go(self.end_without_record(key, token, body_hash, status, keep))
+                        effects.extend(self.end_without_record(key, token, body_hash, status, keep));
+                        return Step::go(effects);
                     }
                 };
                 let capture =
                     Capture { head, headers: recorded, body: Vec::new(), seen: 0, omitted, grpc: None };
                 self.state = State::Capturing { key, body_hash, token, capture };
                 if end_of_stream {
-                    return Step::go(self.finish_capture());
+                    effects.extend(self.finish_capture());
                 }
-                Step::go(vec![])
+                Step::go(effects)
             }
             // Envoy answered the client itself (e.g. a stream timeout): the detached call goes on.
             State::Detached { key, body_hash, token, .. } => {
@@ -164,7 +169,7 @@ impl Machine {
         let whole = frames.complete() && frames.messages <= 1;
         if answer.status != 200 || grpc::kind(head.content_type.as_deref()) != grpc::Kind::Grpc {
             if !gone {
-                effects.push(Effect::Respond(problem::upstream_failed()));
+                effects.push(Effect::Respond(problem::upstream_failed(&self.cfg)));
             }
             effects.extend(release(key, token));
             return effects;
@@ -179,6 +184,7 @@ impl Machine {
             body_omitted: false,
             print: self.print.clone(),
             trailers: Some(trailers),
+            expires_ms: None,
         };
         if !gone {
             // A streamed answer too, all its messages at once: it is not kept.
@@ -197,7 +203,13 @@ impl Machine {
             return effects;
         }
         let record = if too_large { Record { body: Vec::new(), body_omitted: true, ..live } } else { live };
-        effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
+        effects.push(Effect::Store(StoreCall::Commit {
+            key,
+            token,
+            body_hash,
+            record: record.encode(),
+            retention_s: self.cfg.retention_seconds,
+        }));
         if gone {
             effects.push(Effect::Count(Metric::CommittedAfterGone));
         }
@@ -328,8 +340,15 @@ impl Machine {
             body_omitted: capture.omitted,
             print: self.print.clone(),
             trailers: Some(trailers),
+            expires_ms: None,
         };
-        vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
+        vec![Effect::Store(StoreCall::Commit {
+            key,
+            token,
+            body_hash,
+            record: record.encode(),
+            retention_s: self.cfg.retention_seconds,
+        })]
     }
 
     pub(super) fn finish_capture(&mut self) -> Vec<Effect> {
@@ -342,8 +361,15 @@ impl Machine {
                     body_omitted: capture.omitted,
                     print: self.print.clone(),
                     trailers: None,
+                    expires_ms: None,
                 };
-                vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() })]
+                vec![Effect::Store(StoreCall::Commit {
+                    key,
+                    token,
+                    body_hash,
+                    record: record.encode(),
+                    retention_s: self.cfg.retention_seconds,
+                })]
             }
             other => {
                 self.state = other;
@@ -378,7 +404,13 @@ impl Machine {
         match keep {
             Keep::StatusOnly => {
                 let record = Record::status_only(status).encode();
-                vec![Effect::Store(StoreCall::Commit { key, token, body_hash, record })]
+                vec![Effect::Store(StoreCall::Commit {
+                    key,
+                    token,
+                    body_hash,
+                    record,
+                    retention_s: self.cfg.retention_seconds,
+                })]
             }
             _ => release(key, token),
         }
@@ -403,8 +435,10 @@ impl Machine {
             Err(fault) => {
                 if !gone {
                     let problem = match fault {
-                        CalloutFault::Timeout => problem::upstream_timeout(self.cfg.detached_timeout_ms),
-                        _ => problem::upstream_failed(),
+                        CalloutFault::Timeout => {
+                            problem::upstream_timeout(&self.cfg, self.cfg.detached_timeout_ms)
+                        }
+                        _ => problem::upstream_failed(&self.cfg),
                     };
                     effects.push(Effect::Respond(problem));
                 }
@@ -438,12 +472,31 @@ impl Machine {
             body_omitted: omitted,
             print: self.print.clone(),
             trailers: None,
+            expires_ms: None,
         };
-        effects.push(Effect::Store(StoreCall::Commit { key, token, body_hash, record: record.encode() }));
+        effects.push(Effect::Store(StoreCall::Commit {
+            key,
+            token,
+            body_hash,
+            record: record.encode(),
+            retention_s: self.cfg.retention_seconds,
+        }));
         if gone {
             effects.push(Effect::Count(Metric::CommittedAfterGone));
         }
         effects
+    }
+
+    /// `expiry_header` on a first answer about to be kept: its record lives the route's
+    /// retention from `now_ms` (the store counts from the commit, an answer's transfer later).
+    fn expiry_from(&self, now_ms: Option<u64>) -> Vec<Effect> {
+        let Some(name) = &self.cfg.expiry_header else { return vec![] };
+        let expires_ms =
+            now_ms.map(|now| now.saturating_add(self.cfg.retention_seconds.saturating_mul(1000)));
+        match expires_ms.and_then(headers::http_date) {
+            Some(date) => vec![Effect::SetResponseHeader(name.clone(), date)],
+            None => vec![],
+        }
     }
 
     /// What [`keep::decide`] needs to know of an answer, and the headers its record would keep,

@@ -48,11 +48,13 @@ use wire::WireCall;
 
 /// Configurations a run picks from (each with `store_key_header`, through which the simulation
 /// learns every stream's store key).
-pub const CONFIGS: [&str; 4] = [
+pub const CONFIGS: [&str; 5] = [
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":3,"store_timeout_ms":300,"lock_wait_ms":200}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":2,"failure_mode":"closed"}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":1,"detached_execution":true,"lock_wait_ms":0}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":4,"record_cache_entries":0,"breaker_failures":1,"breaker_open_ms":300}"#,
+    // Streams go to the routes `orders` and `payments` (see `new_stream`): each its own terms.
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":3,"lock_wait_ms":200,"routes":{"payments":{"retention_seconds":1,"lock_wait_ms":0,"lock_ttl_ms":400},"orders":{"retention_seconds":5,"detached_execution":true}}}"#,
 ];
 
 const CLIENT_KEYS: [&str; 3] = ["order-1", "order-2", "order-3"];
@@ -287,11 +289,12 @@ impl World {
             return self.violation("local records never handed back".into());
         }
         let now_ms = self.clock.0.get() / 1000;
+        let (retention_seconds, lock_ttl_ms) = self.cfg.longest_terms();
         let local = crate::worker::local_store::LocalStore::new(
             self.cfg.local_record_entries,
             self.cfg.local_record_bytes,
-            self.cfg.lock_ttl_ms,
-            self.cfg.retention_seconds * 1000,
+            lock_ttl_ms,
+            retention_seconds * 1000,
         );
         let locks = local.held_locks(&self.clock.1, now_ms);
         if locks > 0 {
@@ -339,7 +342,10 @@ impl World {
         let client_key = CLIENT_KEYS[self.rng.below(CLIENT_KEYS.len() as u64) as usize];
         let body = BODIES[self.rng.below(BODIES.len() as u64) as usize];
         let mut view = MockView::post(Some(client_key));
-        view.req("x-request-id", &format!("req-{id}")).prop("xds.cluster_name", "app");
+        let route = ["orders", "payments"][self.rng.below(2) as usize];
+        view.req("x-request-id", &format!("req-{id}"))
+            .prop("xds.cluster_name", "app")
+            .prop("xds.route_name", route);
         view.request_body = body.as_bytes().to_vec();
         self.streams.push(SimStream {
             id,
@@ -582,6 +588,12 @@ impl World {
                 self.trace.push(format!("  resume {stream}"));
                 self.streams[i].phase = Phase::ResponseHeaders;
                 self.execute_routed(i);
+            }
+            Command::SetResponseHeader { stream, .. } => {
+                if self.callback != Callback::Stream(stream) {
+                    return self
+                        .violation(format!("a response header set outside stream {stream}'s callback"));
+                }
             }
             Command::SetRequestHeader { stream, name, value } => {
                 if self.callback != Callback::Stream(stream) {

@@ -52,7 +52,9 @@ impl World {
         }
         let items = batch_items(&call);
         if !items.is_empty() {
-            return self.answer_batch(token, items, fault);
+            // One retention for the whole batch, as idemstore reads it.
+            let retention_s = header(&call.headers, proto::HEADER_RETENTION_S).and_then(|v| v.parse().ok());
+            return self.answer_batch(token, items, retention_s.unwrap_or(0), fault);
         }
         self.note_end(&call, fault == 0)?;
         let key = call_key(&call).to_string();
@@ -86,7 +88,13 @@ impl World {
 
     /// Answers a `commits` callout: each commit as idemstore would, one now and then not done
     /// (`failed`), or the whole call faulted.
-    pub(super) fn answer_batch(&mut self, token: u32, items: Vec<Item>, fault: u64) -> Result<(), String> {
+    pub(super) fn answer_batch(
+        &mut self,
+        token: u32,
+        items: Vec<Item>,
+        retention_s: u64,
+        fault: u64,
+    ) -> Result<(), String> {
         let mut outcomes = Vec::new();
         for (key, lock, body_hash, record) in &items {
             // Not done: neither processed nor a lock ended (the filter tries it again).
@@ -96,7 +104,7 @@ impl World {
                 outcomes.push(None);
                 continue;
             }
-            let retention_us = self.cfg.retention_seconds * 1_000_000;
+            let retention_us = retention_s * 1_000_000;
             outcomes.push(Some(self.commit_one(key, lock, body_hash, record.clone(), retention_us)));
         }
         let (headers, body) = match fault {
@@ -141,6 +149,7 @@ impl World {
             body_omitted: false,
             print: Some(print),
             trailers: None,
+            expires_ms: None,
         };
         let body_hash = crate::request::key::hex(&sha2::Digest::finalize(
             <sha2::Sha256 as sha2::Digest>::new_with_prefix(body),

@@ -175,6 +175,7 @@ fn grpc_record(body: &[u8]) -> Record {
         body_omitted: false,
         print: print_of.print.clone(),
         trailers: Some(vec![("grpc-status".into(), "0".into())]),
+        expires_ms: None,
     }
 }
 

@@ -18,7 +18,7 @@ fn sha_hex(data: &[u8]) -> String {
 
 fn begin_call(effects: &[Effect]) -> (String, String) {
     for e in effects {
-        if let Effect::Store(StoreCall::Begin { key, body_hash }) = e {
+        if let Effect::Store(StoreCall::Begin { key, body_hash, .. }) = e {
             return (key.clone(), body_hash.clone());
         }
     }
@@ -82,4 +82,5 @@ mod inbox;
 mod on_begin;
 mod on_request;
 mod on_response;
+mod policies;
 mod random;

@@ -18,7 +18,7 @@ fn json_2xx_is_committed_with_allow_listed_headers() {
     v.response_chunk = b"7}".to_vec();
     let step = s.on_response_body(&v, 2, true);
     assert_eq!(step.action, Action::Continue);
-    let [Effect::Store(StoreCall::Commit { key: k, token, body_hash, record })] = step.effects.as_slice()
+    let [Effect::Store(StoreCall::Commit { key: k, token, body_hash, record, .. })] = step.effects.as_slice()
     else {
         panic!("{:?}", step.effects)
     };

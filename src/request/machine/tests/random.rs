@@ -54,6 +54,7 @@ fn random_event_sequences_keep_the_invariants() {
                             headers: vec![],
                         }),
                         trailers: None,
+                        expires_ms: None,
                     })),
                     _ => Ok(BeginAnswer::Locked { token: "".into() }),
                 }),
