@@ -225,7 +225,7 @@ impl Driver {
             Event::UpstreamAnswer(answer) => {
                 stray = !self.upstream_pending;
                 self.upstream_pending = false;
-                self.stream.on_upstream_answer(answer)
+                self.stream.on_upstream_answer(answer, self.view.now_ms)
             }
             Event::StreamEnd => {
                 let effects = self.stream.on_stream_end();

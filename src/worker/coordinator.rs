@@ -551,7 +551,8 @@ impl Coordinator {
                 if let Err(f) = &answer {
                     log::warn!("{}: {f}", job.label());
                 }
-                self.feed(&job, &mut effects, |m| m.on_upstream_answer(answer))
+                let now_ms = env.now_ms();
+                self.feed(&job, &mut effects, |m| m.on_upstream_answer(answer, now_ms))
             }
             Answered::Commit(result) => {
                 if let (Call::Store(call), Ok(_)) = (&job.call, &result) {

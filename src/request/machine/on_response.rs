@@ -418,7 +418,12 @@ impl Machine {
 
     /// The answer to a detached execution: to the client if it is still there, and to the
     /// store in any case (a commit, or a release for what is not stored).
-    pub fn on_upstream_answer(&mut self, answer: Result<UpstreamAnswer, CalloutFault>) -> Vec<Effect> {
+    /// `now_ms`: when the answer came (the wall clock), for `expiry_header`.
+    pub fn on_upstream_answer(
+        &mut self,
+        answer: Result<UpstreamAnswer, CalloutFault>,
+        now_ms: Option<u64>,
+    ) -> Vec<Effect> {
         let (key, body_hash, token, gone) = match std::mem::replace(&mut self.state, State::Done) {
             State::Detached { key, body_hash, token, gone } => (key, body_hash, token, gone),
             other => {
@@ -446,13 +451,22 @@ impl Machine {
                 return effects;
             }
         };
-        if !gone {
-            effects.push(Effect::Respond(answer.to_local_response()));
-        }
         let values_of =
             |name: &str| answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect();
         let (head, headers) = self.answer_head(answer.status, Some(answer.body.len() as u64), values_of);
         let keep = keep::decide(&self.cfg, &head);
+        if !gone {
+            let mut response = answer.to_local_response();
+            if keep != Keep::Release {
+                for effect in self.expiry_from(now_ms) {
+                    if let Effect::SetResponseHeader(name, value) = effect {
+                        response.headers.retain(|(n, _)| *n != name);
+                        response.headers.push((name, value));
+                    }
+                }
+            }
+            effects.push(Effect::Respond(response));
+        }
         let omitted = match keep {
             Keep::Full => false,
             Keep::WithoutBody => true,

@@ -44,7 +44,7 @@ fn detached_execution_sends_the_request_itself() {
 #[test]
 fn detached_answer_goes_to_the_client_and_the_store() {
     let (mut s, key, _) = detached_locked();
-    let effects = s.on_upstream_answer(Ok(answer("201", Some("application/json"), b"{\"id\":9}")));
+    let effects = s.on_upstream_answer(Ok(answer("201", Some("application/json"), b"{\"id\":9}")), None);
     let [Effect::Respond(r), Effect::Store(StoreCall::Commit { key: k, record, .. })] = effects.as_slice()
     else {
         panic!("{effects:?}")
@@ -67,7 +67,7 @@ fn detached_answer_after_the_client_left_is_still_committed() {
     let (mut s, _, _) = detached_locked();
     assert_eq!(s.on_stream_end(), vec![], "the call goes on");
     assert!(!s.is_settled());
-    let effects = s.on_upstream_answer(Ok(answer("200", Some("application/json"), b"{}")));
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("application/json"), b"{}")), None);
     assert!(matches!(
         effects.as_slice(),
         [Effect::Store(StoreCall::Commit { .. }), Effect::Count(Metric::CommittedAfterGone)]
@@ -78,38 +78,38 @@ fn detached_answer_after_the_client_left_is_still_committed() {
 #[test]
 fn detached_failures_release_the_lock() {
     let (mut s, key, _) = detached_locked();
-    let effects = s.on_upstream_answer(Ok(answer("500", Some("application/json"), b"{}")));
+    let effects = s.on_upstream_answer(Ok(answer("500", Some("application/json"), b"{}")), None);
     assert_eq!(respond_status(&effects), Some(500));
     assert_eq!(effects[1..], release_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
-    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/event-stream"), b"data: hi\n\n")));
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/event-stream"), b"data: hi\n\n")), None);
     assert_eq!(respond_status(&effects), Some(200));
     assert_eq!(effects[1..], release_of(&key)[..]);
 
     // Not a failure: a text answer is kept, and one too large without its body.
     let (mut s, _, _) = detached_locked();
-    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), b"hi")));
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), b"hi")), None);
     let [_, Effect::Store(StoreCall::Commit { record, .. })] = &effects[..] else { panic!("{effects:?}") };
     assert_eq!(Record::decode(record).unwrap().body, b"hi");
     let (mut s, _, _) = detached_locked();
-    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), &[b'x'; 51])));
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), &[b'x'; 51])), None);
     let [_, Effect::Store(StoreCall::Commit { record, .. })] = &effects[..] else { panic!("{effects:?}") };
     assert!(Record::decode(record).unwrap().body_omitted);
 
     let (mut s, key, _) = detached_locked();
-    let effects = s.on_upstream_answer(Err(CalloutFault::Reset));
+    let effects = s.on_upstream_answer(Err(CalloutFault::Reset), None);
     assert_eq!(respond_status(&effects), Some(502));
     assert_eq!(effects[1..], release_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
-    let effects = s.on_upstream_answer(Err(CalloutFault::Timeout));
+    let effects = s.on_upstream_answer(Err(CalloutFault::Timeout), None);
     assert_eq!(respond_status(&effects), Some(504));
     assert_eq!(effects[1..], release_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
     s.on_stream_end();
-    assert_eq!(s.on_upstream_answer(Err(CalloutFault::Reset)), release_of(&key));
+    assert_eq!(s.on_upstream_answer(Err(CalloutFault::Reset), None), release_of(&key));
 }
 
 #[test]

@@ -319,7 +319,7 @@ fn inbox_store_key_header_and_detached_execution_follow_a_body_id() {
         call.headers.iter().filter(|(n, _)| n == "x-store-key").map(|(_, v)| v.as_str()).collect();
     assert_eq!(sent, [key.as_str()]);
     // A detached text/plain 200 is committed as its status.
-    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), b"ok")));
+    let effects = s.on_upstream_answer(Ok(answer("200", Some("text/plain"), b"ok")), None);
     assert_eq!(respond_status(&effects), Some(200));
     assert_eq!(committed_record(&effects[1..]).status, 200);
 }

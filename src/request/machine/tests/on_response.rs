@@ -138,7 +138,7 @@ fn headers_a_record_cannot_hold_release_the_lock() {
             ("location".to_string(), location.as_bytes().to_vec()),
         ];
         headers.extend(links.iter().map(|l| ("link".to_string(), l.as_bytes().to_vec())));
-        let effects = s.on_upstream_answer(UpstreamAnswer::decode(headers, b"{}".to_vec()));
+        let effects = s.on_upstream_answer(UpstreamAnswer::decode(headers, b"{}".to_vec()), None);
         if stored {
             assert!(matches!(effects.get(1), Some(Effect::Store(StoreCall::Commit { .. }))), "{effects:?}");
         } else {

@@ -102,3 +102,13 @@ fn a_replay_tells_when_its_record_expires() {
     assert_eq!(header(&replay(on, None), "idempotency-expires"), None, "not known: not said");
     assert_eq!(header(&replay("", Some(NOW_MS)), "idempotency-expires"), None, "off by default");
 }
+
+#[test]
+fn a_detached_execution_s_answer_tells_its_expiry_too() {
+    let (mut s, _, _) = super::detached::detached_locked_with(r#","expiry_header":"idempotency-expires""#);
+    let effects = s.on_upstream_answer(Ok(answer("201", Some("application/json"), b"{}")), Some(NOW_MS));
+    assert_eq!(header(&effects, "idempotency-expires"), Some("Tue, 01 Dec 2026 00:53:20 GMT"));
+    let (mut s, _, _) = super::detached::detached_locked_with(r#","expiry_header":"idempotency-expires""#);
+    let effects = s.on_upstream_answer(Ok(answer("500", Some("application/json"), b"{}")), Some(NOW_MS));
+    assert_eq!(header(&effects, "idempotency-expires"), None, "not kept");
+}
