@@ -1,14 +1,24 @@
 #!/usr/bin/env python3
-"""A tiny orders API to put behind Envoy and the idempotency filter (stdlib only).
+"""A tiny API to put behind Envoy and the idempotency filter (stdlib only). envoy/envoy.yaml
+gives each of its paths its own route and policy.
 
     POST /orders          create an order from a JSON body -> 201 {"id": "ord_000001", ...}
                           with `location: /orders/<id>`
     GET  /orders          list orders
     GET  /orders/<id>     one order, or 404
+    POST /payments        charge: 201 {"id": "pay_000001", ...}, or 402 when the body's "card"
+                          is "declined"; every charge attempt is counted
+    GET  /payments        payments made and charge attempts
+    POST /webhooks        a CloudEvent (binary mode: its id in `ce-id`) handled: 200
+                          {"handled": id, "times": n}, n the times this id was handled
+    GET  /webhooks        times each event id was handled
+    POST /search          a search: 200 {"query": ..., "results": [...]}, counted
+    GET  /search          how many searches ran
     GET  /healthz         200
 
-It is deliberately *not* idempotent: every POST creates a new order, which is what the filter
-in front of it fixes. Each request is logged to stdout.
+It is deliberately *not* idempotent: every POST creates a new order, charges again or handles
+the event again, which is what the filter in front of it fixes. Each request is logged to
+stdout.
 
     python3 demo/orders_app.py --port 8081
     curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: k1' -d '{"item":"book"}'
@@ -71,6 +81,46 @@ class Orders:
 ORDERS = Orders()
 
 
+class Counts:
+    """What the other paths did: payments made, charge attempts, events handled, searches."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.payments: list[dict] = []
+        self.attempts = 0
+        self.events: dict[str, int] = {}
+        self.searches = 0
+
+    def charge(self, payload) -> tuple[int, dict]:
+        with self._lock:
+            self.attempts += 1
+            doc = payload if isinstance(payload, dict) else {}
+            if doc.get("card") == "declined":
+                return 402, {"error": "card declined", "attempt": self.attempts}
+            pay = {"id": f"pay_{len(self.payments) + 1:06d}", "status": "captured",
+                   "amount": doc.get("amount"), "attempt": self.attempts}
+            self.payments.append(pay)
+            return 201, dict(pay)
+
+    def handle(self, event_id: str) -> int:
+        with self._lock:
+            self.events[event_id] = self.events.get(event_id, 0) + 1
+            return self.events[event_id]
+
+    def search(self) -> int:
+        with self._lock:
+            self.searches += 1
+            return self.searches
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"payments": [dict(p) for p in self.payments], "attempts": self.attempts,
+                    "events": dict(self.events), "searches": self.searches}
+
+
+COUNTS = Counts()
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "orders-demo/1"
@@ -126,6 +176,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(200, {"ok": True})
         elif path == "/orders":
             self.send_json(200, {"orders": ORDERS.list()})
+        elif path in ("/payments", "/webhooks", "/search"):
+            snap = COUNTS.snapshot()
+            self.send_json(200, {"/payments": {"payments": snap["payments"], "attempts": snap["attempts"]},
+                                 "/webhooks": {"events": snap["events"]},
+                                 "/search": {"searches": snap["searches"]}}[path])
         elif path.startswith("/orders/"):
             order = ORDERS.get(path[len("/orders/"):])
             if order is None:
@@ -142,13 +197,29 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.problem(413, "too large", "request body too large")
             return
-        if path != "/orders":
+        if path not in ("/orders", "/payments", "/webhooks", "/search"):
             self.problem(404, "not found", f"no route for POST {path}")
             return
         try:
             payload = json.loads(body) if body.strip() else {}
         except ValueError:
             self.problem(400, "bad request", "the body is not JSON")
+            return
+        if path == "/payments":
+            status, doc = COUNTS.charge(payload)
+            extra = [("location", f"/payments/{doc['id']}")] if status == 201 else []
+            self.send_json(status, doc, extra)
+            return
+        if path == "/webhooks":
+            event_id = self.headers.get("ce-id") or (payload.get("id") if isinstance(payload, dict) else None)
+            if not event_id:
+                self.problem(400, "bad request", "no event id (ce-id)")
+                return
+            self.send_json(200, {"handled": event_id, "times": COUNTS.handle(str(event_id))})
+            return
+        if path == "/search":
+            query = payload.get("q") if isinstance(payload, dict) else None
+            self.send_json(200, {"query": query, "results": [], "search": COUNTS.search()})
             return
         order = ORDERS.create(payload)
         self.send_json(201, order, [("location", f"/orders/{order['id']}")])

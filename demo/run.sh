@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Starts the local stack in the foreground (what `make run` calls, from the repository root):
-#   demo orders app   127.0.0.1:8081
+#   demo app          127.0.0.1:8081   (/orders, /payments, /webhooks, /search)
 #   idemstore         127.0.0.1:8380   (in-memory, or Redis when REDIS_URL=redis://... is set)
 #   redis-server      127.0.0.1:6379   only with REDIS=1: envoy/redis.conf (append-only file in
 #                                      target/redis), and idemstore on it
@@ -113,6 +113,10 @@ cat <<EOF
 run: ready. Envoy on http://127.0.0.1:10000 (admin http://127.0.0.1:9901). Try:
   curl -si -X POST localhost:10000/orders -H 'Idempotency-Key: k1' -H 'content-type: application/json' -d '{"item":"book"}'
   (run it twice: the second answer is a replay, x-idempotent-replay: true)
+  curl -si -X POST localhost:10000/payments -H 'content-type: application/json' -d '{"amount":10}'
+  (the payments route's policy requires a key: 400, with a link to the published policy)
+  curl -si -X POST localhost:10000/webhooks -H 'ce-specversion: 1.0' -H 'ce-id: evt-1' -H 'ce-source: /demo' -H 'ce-type: demo' -H 'content-type: application/json' -d '{}'
+  (inbox mode: a redelivery of ce-id evt-1 is acknowledged without reaching the app)
   curl -s 'localhost:9901/stats?filter=wasmcustom'
 Ctrl-C stops everything.
 

@@ -5,7 +5,11 @@
 2. the same key with a changed body: 422;
 3. twenty concurrent retries of one request: one order;
 4. the same twenty without the filter (straight to the app): twenty orders;
-5. Envoy's counters for all of it.
+5. /payments, its own policy: no key is a 400 linking to the published policy, and a declined
+   payment (402) is kept: its retry gets the same decline, the card is charged once;
+6. /webhooks, inbox mode: a broker delivers one CloudEvent twice, the app handles it once;
+7. /search, the filter switched off for the route: the same keyed POST twice runs twice;
+8. Envoy's counters for all of it.
 
 Exits 0 only if every step behaved. Stdlib only.
 """
@@ -23,7 +27,7 @@ import uuid
 ENVOY = ("127.0.0.1", 10000)
 ADMIN = ("127.0.0.1", 9901)
 APP = ("127.0.0.1", 8081)
-COUNTERS = ("guarded", "executed", "replayed", "mismatched", "conflicted", "degraded", "stored")
+COUNTERS = ("guarded", "executed", "replayed", "mismatched", "conflicted", "rejected", "degraded", "stored")
 
 failures: list[str] = []
 
@@ -148,13 +152,56 @@ def main() -> int:
     print(f"   -> {len(ids)} different order ids; the app holds {len(made)} order(s) for {plain}")
     check(len(ids) == 20 and len(made) == 20, "twenty orders: the duplicates the filter prevents")
 
-    print("5. Envoy's counters for this run (/stats?filter=wasmcustom)")
+    print("5. /payments has its own policy: a key required, 4xx answers kept, records kept 7 days")
+    _, _, app_before = call(APP, "GET", "/payments")
+    status, headers, doc = call(ENVOY, "POST", "/payments", {"amount": 10, "card": "visa"})
+    show(status, headers, doc, extra=("link",))
+    check(status == 400 and isinstance(doc, dict) and doc.get("code") == "missing-key",
+          "no Idempotency-Key: 400 missing-key, nothing charged")
+    check('rel="describedby"' in headers.get("link", ""), "the problem links to the published policy (link: ...)")
+    pay_key = f"pay-{run}"
+    declined = {"amount": 10, "card": "declined"}
+    status, headers, first = call(ENVOY, "POST", "/payments", declined, {"Idempotency-Key": pay_key})
+    show(status, headers, first)
+    check(status == 402 and "x-idempotent-replay" not in headers, "a declined payment: 402 from the app")
+    time.sleep(0.2)  # the answer is stored just after it is sent
+    status, headers, again = call(ENVOY, "POST", "/payments", declined, {"Idempotency-Key": pay_key})
+    show(status, headers, again)
+    check(status == 402 and again == first and headers.get("x-idempotent-replay") == "true",
+          "its retry: the same 402, replayed (on /orders a 4xx is not kept and would run again)")
+    _, _, app_after = call(APP, "GET", "/payments")
+    check(app_after["attempts"] - app_before["attempts"] == 1, "the card was charged once")
+
+    print("6. /webhooks is in inbox mode: the broker delivers one CloudEvent twice")
+    event = f"evt-{run}"
+    ce = {"ce-specversion": "1.0", "ce-id": event, "ce-source": "/demo/broker", "ce-type": "com.example.paid"}
+    for attempt in (1, 2):
+        status, headers, doc = call(ENVOY, "POST", "/webhooks", {"order": "ord_000001"}, ce)
+        show(status, headers, doc)
+        replayed = headers.get("x-idempotent-replay") == "true"
+        check(status == 200 and replayed == (attempt == 2),
+              "delivery 1: handled" if attempt == 1 else "delivery 2: acknowledged, a replay")
+    _, _, events = call(APP, "GET", "/webhooks")
+    check(events["events"].get(event) == 1, f"the app handled {event} once")
+
+    print("7. /search needs no guard: the route switches the filter off (typed_per_filter_config)")
+    _, _, searches = call(APP, "GET", "/search")
+    for _ in range(2):
+        status, headers, doc = call(ENVOY, "POST", "/search", {"q": "book"}, {"Idempotency-Key": f"search-{run}"})
+        show(status, headers, doc)
+        check(status == 200 and "x-idempotent-replay" not in headers, "ran, not replayed")
+    _, _, searches_after = call(APP, "GET", "/search")
+    check(searches_after["searches"] - searches["searches"] == 2, "both searches ran")
+
+    print("8. Envoy's counters for this run (/stats?filter=wasmcustom)")
+    time.sleep(0.2)
     after = counters()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
     print("   " + "  ".join(f"{k}={v}" for k, v in delta.items()))
-    check(delta["guarded"] == 23 and delta["executed"] == 2 and delta["replayed"] == 20
+    check(delta["guarded"] == 27 and delta["executed"] == 4 and delta["replayed"] == 22
           and delta["mismatched"] == 1 and delta["degraded"] == 0,
-          "guarded 23 = executed 2 + replayed 20 + mismatched 1; degraded 0")
+          "guarded 27 = executed 4 + replayed 22 + mismatched 1 (the searches not guarded); degraded 0")
+    check(delta["rejected"] == 1, "rejected 1: the payment without a key")
 
     print()
     if failures:

@@ -51,7 +51,9 @@ from support.store_double_client import StoreDouble, http1_cluster
 
 ENVOY_YAML = h.ROOT / "envoy" / "envoy.yaml"
 REDIS_CONF = h.ROOT / "envoy" / "redis.conf"
-STORE_UNAVAILABLE = "https://idempotency-filter.dev/problems/store-unavailable"
+# The `code` of the store-unavailable problem (its `type` depends on the configuration: the
+# tag URI by default, `<policy_url>#store-unavailable` with the shipped envoy/envoy.yaml).
+STORE_UNAVAILABLE = "store-unavailable"
 JSON = ("content-type", "application/json")
 
 
@@ -221,7 +223,7 @@ class Sent:
     replay: bool = False
     exec_id: str | None = None  # x-upstream-id: the upstream ran this request
     body_id: str | None = None  # "id" of a JSON body (an execution's, or the replayed one's)
-    problem: str | None = None  # type of a problem+json answer
+    problem: str | None = None  # code of a problem+json answer
     error: str | None = None
 
     @property
@@ -255,7 +257,7 @@ def send(port: int, listener: str, key: str, retry: bool, phase: str, timeout: f
         doc = None
     if isinstance(doc, dict):
         if ctype == "application/problem+json":
-            s.problem = doc.get("type")
+            s.problem = doc.get("code")
         else:
             s.body_id = doc.get("id")
     return s
@@ -501,22 +503,6 @@ def counter_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, in
 # --------------------------------------------------------------------------------------------
 
 
-def shipped_envoy_yaml(admin: int, listen: int, app: int, store: int, wasm: str) -> str:
-    """envoy/envoy.yaml as shipped, with its four ports and the wasm path (the guard's and the
-    gRPC replay listener's) rewritten."""
-    text = ENVOY_YAML.read_text()
-    for old, new in ((9901, admin), (10000, listen), (8081, app), (8380, store)):
-        text, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", text)
-        assert n == 1, f"port {old} appears {n} times in {ENVOY_YAML}"
-    text, n = re.subn(r"filename: \S*idempotency_filter\.wasm", f"filename: {wasm}", text)
-    assert n == 2, f"the wasm path appears {n} times in {ENVOY_YAML} (the guard, the gRPC replay listener)"
-    if h.store_transport():
-        text, n = re.subn(r'\{"store_cluster": "idemstore"\}',
-                          f'{{"store_cluster": "idemstore", "store_transport": "{h.store_transport()}"}}', text)
-        assert n == 1, f"the guard's configuration appears {n} times in {ENVOY_YAML}"
-    return text
-
-
 def spawn_redis_conf(run_dir: Path, port: int, data_dir: Path) -> h.Proc:
     """redis-server with envoy/redis.conf, its port and directory overridden."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -599,7 +585,7 @@ def shipped(run_dir, artifacts, upstream):
         store, _ = h.start_idemstore(sub, f"redis://127.0.0.1:{rport}", port=sport)
         started.append(store)
         path = sub / "envoy-shipped.yaml"
-        path.write_text(shipped_envoy_yaml(admin, listen, upstream.port, sport, artifacts["wasm"]))
+        path.write_text(h.shipped_envoy_yaml(admin, listen, upstream.port, sport, artifacts["wasm"]))
         proc = h.launch_envoy_file(sub, "envoy-shipped", path)
         started.append(proc)
         envoy = h.await_envoy(h.Envoy(proc, admin, {"main": listen}, path))
@@ -875,7 +861,7 @@ def test_idemstore_started_after_envoy(run_dir, artifacts, upstream, note):
     sport, admin, listen = h.free_port(), h.free_port(), h.free_port()
     path = sub / "envoy-shipped.yaml"
     sub.mkdir(parents=True, exist_ok=True)
-    path.write_text(shipped_envoy_yaml(admin, listen, upstream.port, sport, artifacts["wasm"]))
+    path.write_text(h.shipped_envoy_yaml(admin, listen, upstream.port, sport, artifacts["wasm"]))
     envoy = h.await_envoy(h.Envoy(h.launch_envoy_file(sub, "envoy-shipped", path), admin, {"main": listen}, path))
     store = None
     try:

@@ -12,6 +12,7 @@ import http.client
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -858,6 +859,52 @@ def launch_envoy_file(run_dir: Path, name: str, path: Path, log_level: str = "in
     argv = [envoy_bin(), "-c", str(path), "--base-id", str(next(_BASE_IDS)), "--disable-hot-restart",
             "--concurrency", str(concurrency), "-l", log_level]
     return start(name, argv, run_dir)
+
+
+SHIPPED_ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
+
+
+def shipped_envoy_yaml(admin: int, listen: int, app: int, store: int, wasm: str,
+                       path: Path = SHIPPED_ENVOY_YAML) -> str:
+    """envoy/envoy.yaml as shipped, with its four ports (admin 9901, listener 10000, app 8081,
+    idemstore 8380) and the wasm path (the guard's and the gRPC replay listener's) rewritten,
+    and the suite's `store_transport` (if any) added to the guard's configuration."""
+    text = path.read_text()
+    for old, new in ((9901, admin), (10000, listen), (8081, app), (8380, store)):
+        text, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", text)
+        assert n == 1, f"port {old} appears {n} times in {path}"
+    text, n = re.subn(r"filename: \S*idempotency_filter\.wasm", f"filename: {wasm}", text)
+    assert n == 2, f"the wasm path appears {n} times in {path} (the guard, the gRPC replay listener)"
+    if store_transport():
+        text, n = re.subn(r'"store_cluster": "idemstore"',
+                          f'"store_cluster": "idemstore", "store_transport": "{store_transport()}"', text)
+        assert n == 1, f"the guard's configuration appears {n} times in {path}"
+    return text
+
+
+def envoy_refused(proc: Proc, admin_port: int, timeout: float = 15.0) -> str:
+    """For an Envoy launched with a static configuration it must refuse (e.g. a plugin
+    configuration the filter rejects): waits until it exits, failing if it became ready first
+    or had not exited non-zero within `timeout`. Measured with Envoy 1.40.0: a refused static
+    filter config makes Envoy exit with status 1. Returns its log."""
+
+    def ready() -> bool:
+        try:
+            return http_get_status(admin_port, "/ready")[1].strip() == b"LIVE"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    became_ready = False
+    while time.monotonic() < deadline and proc.alive():
+        if ready():
+            became_ready = True
+            break
+        time.sleep(0.1)
+    code = proc.returncode()
+    assert not became_ready, f"Envoy became ready with an invalid config\n{proc.describe(60)}"
+    assert code is not None and code != 0, f"Envoy did not exit (code {code})\n{proc.describe(60)}"
+    return proc.log_text()
 
 
 def spawn_envoy_config(run_dir: Path, name: str, config: dict, admin_port: int, ports: dict[str, int],
