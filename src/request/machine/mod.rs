@@ -286,6 +286,12 @@ impl Machine {
         !matches!(self.state, State::Orphaned { .. } | State::Beginning { .. } | State::Detached { .. })
     }
 
+    /// The commit of `record` under `token`, kept for the request's route's retention.
+    fn commit(&self, key: String, token: LockToken, body_hash: String, record: Vec<u8>) -> Effect {
+        let retention_s = self.cfg.retention_seconds;
+        Effect::Store(StoreCall::Commit { key, token, body_hash, record, retention_s })
+    }
+
     /// The stream is over (complete, reset upstream, or the client went away).
     pub fn on_stream_end(&mut self) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {

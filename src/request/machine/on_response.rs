@@ -203,13 +203,7 @@ impl Machine {
             return effects;
         }
         let record = if too_large { Record { body: Vec::new(), body_omitted: true, ..live } } else { live };
-        effects.push(Effect::Store(StoreCall::Commit {
-            key,
-            token,
-            body_hash,
-            record: record.encode(),
-            retention_s: self.cfg.retention_seconds,
-        }));
+        effects.push(self.commit(key, token, body_hash, record.encode()));
         if gone {
             effects.push(Effect::Count(Metric::CommittedAfterGone));
         }
@@ -342,13 +336,7 @@ impl Machine {
             trailers: Some(trailers),
             expires_ms: None,
         };
-        vec![Effect::Store(StoreCall::Commit {
-            key,
-            token,
-            body_hash,
-            record: record.encode(),
-            retention_s: self.cfg.retention_seconds,
-        })]
+        vec![self.commit(key, token, body_hash, record.encode())]
     }
 
     pub(super) fn finish_capture(&mut self) -> Vec<Effect> {
@@ -363,13 +351,7 @@ impl Machine {
                     trailers: None,
                     expires_ms: None,
                 };
-                vec![Effect::Store(StoreCall::Commit {
-                    key,
-                    token,
-                    body_hash,
-                    record: record.encode(),
-                    retention_s: self.cfg.retention_seconds,
-                })]
+                vec![self.commit(key, token, body_hash, record.encode())]
             }
             other => {
                 self.state = other;
@@ -404,13 +386,7 @@ impl Machine {
         match keep {
             Keep::StatusOnly => {
                 let record = Record::status_only(status).encode();
-                vec![Effect::Store(StoreCall::Commit {
-                    key,
-                    token,
-                    body_hash,
-                    record,
-                    retention_s: self.cfg.retention_seconds,
-                })]
+                vec![self.commit(key, token, body_hash, record)]
             }
             _ => release(key, token),
         }
@@ -488,13 +464,7 @@ impl Machine {
             trailers: None,
             expires_ms: None,
         };
-        effects.push(Effect::Store(StoreCall::Commit {
-            key,
-            token,
-            body_hash,
-            record: record.encode(),
-            retention_s: self.cfg.retention_seconds,
-        }));
+        effects.push(self.commit(key, token, body_hash, record.encode()));
         if gone {
             effects.push(Effect::Count(Metric::CommittedAfterGone));
         }
