@@ -59,6 +59,17 @@ fuzz_target!(|data: &[u8]| {
 });
 
 fn check(c: &Config) {
+    // Each route's configuration keeps every rule too, shares the worker's keys, and has no
+    // routes of its own.
+    for (name, route) in c.routes.iter() {
+        assert!(!name.is_empty() && route.routes.is_empty(), "{name:?}");
+        assert_eq!(
+            (&route.store_cluster, route.store_transport, route.pause_on_headers),
+            (&c.store_cluster, c.store_transport, c.pause_on_headers)
+        );
+        assert_eq!(c.for_route(name.as_bytes()).map(|r| r.as_ref()), Some(route));
+        check(route);
+    }
     let raw = serde_json::to_value(c.to_raw()).expect("serializes");
     for key in config::SIMPLE_KEYS {
         let value = raw.get(key.name).unwrap_or_else(|| panic!("{} missing from to_raw", key.name));
