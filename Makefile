@@ -14,7 +14,7 @@
 #                 (make test runs both: image before e2e)
 #   make bench    throughput (wrk) and latency against a no-filter Envoy in the same run, profiles;
 #                 medians and ratios to bench/RESULTS.md (about 15 minutes)
-#   make bench-quick  one short round of every throughput scenario (< 60 s); last line: the ratios
+#   make bench-quick  one short round of every throughput scenario (about 75 s); last line: the ratios
 #   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (600) each, one after the other
 #   make fuzz-quick  the same for FUZZ_QUICK_SECONDS (15) each: what CI runs after `make test`
 #

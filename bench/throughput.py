@@ -9,9 +9,18 @@ The stack, all on loopback:
 - Redis (`redis-server`, no persistence) and idemstore on it;
 - `idem`: Envoy `--concurrency 2` with the filter (default configuration but `store_cluster`),
   routes `slow` (`/slow...` -> the 5 ms upstream) and `fast` (everything else);
-- `plain`: the same Envoy, same listener and routes, router only.
+- `plain`: the same Envoy, same listener and routes, router only;
+- `routes`: the filter Envoy again, its configuration with three route policies (issue 28:
+  `routes` with `payments`, `webhooks` and `orders`; the benchmarked path is on `orders`):
+  measured on pass-through and unique-1k, against `idem` (one configuration for every route).
 
-Scenarios (SCENARIOS below): pass-through, unique keys (1 KiB, 64 KiB, 1 MiB bodies, and 1 KiB
+Every front Envoy has the same routes: `slow` (/slow), `payments`, `webhooks`, `orders`,
+`search` (/fast/payments, /fast/webhooks, /fast/orders, /fast/search) and `fast` (/); on
+`search` the Wasm filter is disabled with Envoy's `typed_per_filter_config` (`FilterConfig`,
+`disabled: true`), which the pass-through scenario `passthrough-off` measures against the
+no-filter Envoy.
+
+Scenarios (SCENARIOS below): pass-through (and on the route with the filter disabled), unique keys (1 KiB, 64 KiB, 1 MiB bodies, and 1 KiB
 on one connection for the added latency), replay (fast and 5 ms upstream), duplicate bursts.
 Each scenario runs wrk (`bench/load.lua`) against `plain` and `idem` alternately (round r:
 plain then idem for even r, idem then plain for odd r) and reports medians over the rounds of
@@ -45,7 +54,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +72,7 @@ MIB = 1024 * 1024
 
 SCENARIOS = [
     Scenario("passthrough", "POST without a key, 1 KiB", "/fast/orders", "none", 1024),
+    Scenario("passthrough-off", "the same on a route with the filter disabled", "/fast/search", "none", 1024),
     Scenario("unique-1k", "a new key per request, 1 KiB", "/fast/orders", "unique", 1024),
     Scenario("unique-1k-c1", "the same on one connection (added latency)", "/fast/orders", "unique", 1024,
              threads=1, conns=1),
@@ -74,6 +84,16 @@ SCENARIOS = [
     Scenario("body-1m", "a new key per request, 1 MiB", "/fast/orders", "unique", MIB),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
+# The scenarios also run through `routes`, the filter with three route policies (issue 28).
+ROUTES_SCENARIOS = ("passthrough", "unique-1k")
+# Issue 28's three route policies; the benchmarked path (/fast/orders) is on `orders`, whose
+# policy changes nothing a unique key or a keyless POST does (a lock wait): the figures show
+# what looking the route up and switching to its configuration costs.
+ROUTE_POLICIES = {
+    "payments": {"require_key": True, "store_statuses": ["2xx", "4xx"], "retention_seconds": 604800},
+    "webhooks": {"mode": "inbox", "inbox": {"message_id": "cloudevents"}},
+    "orders": {"lock_wait_ms": 2000},
+}
 COMPONENTS = ["envoy", "upstream", "idemstore", "redis", "wrk"]
 
 
@@ -110,12 +130,24 @@ def upstream_listener(name: str, port: int, delay_ms: int) -> dict:
     return lst
 
 
+def front_routes(filters: list[dict]) -> list[dict]:
+    """The front Envoys' routes, the same for all: named routes as a real API has them (the
+    filter's `routes` policies are keyed by these names), and `search`, on which the Wasm filter
+    (if the chain has one) is switched off by Envoy's generic per-route filter config."""
+    def to(name: str, prefix: str, cluster: str = "up_fast") -> dict:
+        return {"name": name, "match": {"prefix": prefix}, "route": {"cluster": cluster, "timeout": "20s"}}
+
+    search = to("search", "/fast/search")
+    if filters:
+        search["typed_per_filter_config"] = {filters[0]["name"]: {
+            "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "disabled": True}}
+    return [to("slow", "/slow", "up_slow"), to("payments", "/fast/payments"), to("webhooks", "/fast/webhooks"),
+            to("orders", "/fast/orders"), search, to("fast", "/")]
+
+
 def front_config(admin_port: int, port: int, filters: list[dict], fast_port: int, slow_port: int,
                  store_port: int) -> dict:
-    routes = [
-        {"name": "slow", "match": {"prefix": "/slow"}, "route": {"cluster": "up_slow", "timeout": "20s"}},
-        {"name": "fast", "match": {"prefix": "/"}, "route": {"cluster": "up_fast", "timeout": "20s"}},
-    ]
+    routes = front_routes(filters)
     return {
         "admin": {"address": {"socket_address": {"address": h.LOOPBACK, "port_value": admin_port}}},
         "static_resources": {
@@ -163,13 +195,16 @@ class Stack:
         # run of one choice against another (e.g. {"store_transport": "callout"}).
         extra = json.loads(os.environ.get("BENCH_FILTER_EXTRA") or "{}")
         wasm = h.wasm_filter({"store_cluster": "idemstore", **extra}, h.wasm_path())
+        # `routes`: the same configuration with issue 28's three route policies.
+        routed = h.wasm_filter({"store_cluster": "idemstore", **extra, "routes": ROUTE_POLICIES}, h.wasm_path())
         # `skip`: the same filter wrapped as envoy/envoy.yaml ships it (behind the composite
         # matcher, Envoy does not create it for a request without an Idempotency-Key): measured
         # on pass-through only.
         # `mint`: the filter in mint mode (the sending side of Envoy's retries), which adds a key
         # to every keyless POST and makes no store calls: measured on pass-through only.
         mint = h.wasm_filter({"mode": "mint"}, h.wasm_path())
-        fronts = [("plain", []), ("idem", [wasm]), ("skip", [h.skip_unless_keyed(wasm)]), ("mint", [mint])]
+        fronts = [("plain", []), ("idem", [wasm]), ("routes", [routed]), ("skip", [h.skip_unless_keyed(wasm)]),
+                  ("mint", [mint])]
         if self.floor:
             floor = h.wasm_filter("{}", self.floor, vm_id="floor")
             floor["typed_config"]["config"]["name"] = "floor"
@@ -197,6 +232,22 @@ class Stack:
         r = h.request(self.envoys["idem"].port("edge"), "POST", "/fast/orders", "{}", headers=hdrs)
         if r.header("x-idempotent-replay") != "true":
             raise SystemExit(f"the filter did not replay: {r}")
+        # The route policies are in force: a keyless POST is refused on `payments` (require_key)
+        # by `routes` only, and let through on `orders`.
+        nokey = [("content-type", "application/json")]
+        for name, path, status in (("routes", "/fast/payments", 400), ("idem", "/fast/payments", 201),
+                                   ("routes", "/fast/orders", 201)):
+            r = h.request(self.envoys[name].port("edge"), "POST", path, "{}", headers=nokey)
+            if r.status != status:
+                raise SystemExit(f"{name} {path} without a key: {r.status}, expected {status}: {r}")
+        # On `search` the filter is not even created: its counters do not move.
+        for name in ("idem", "routes"):
+            before = self.envoys[name].counters()
+            r = h.request(self.envoys[name].port("edge"), "POST", "/fast/search", "{}", headers=nokey)
+            time.sleep(0.1)
+            if r.status != 201 or self.envoys[name].counters() != before:
+                raise SystemExit(f"{name} /fast/search (filter disabled): {r.status}, counters "
+                                 f"{before} -> {self.envoys[name].counters()}")
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -271,6 +322,10 @@ def wasm_memory_kib(pid: int) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------------------------
 
 
+# The fronts whose filter outcome counters are read around each run.
+FILTER_FRONTS = ("idem", "routes")
+
+
 @dataclass
 class Run:
     target: str
@@ -301,7 +356,7 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
     cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
     busy0 = machine_busy_seconds()
     ops0 = stack.store_ops()
-    out0 = envoy.counters() if target == "idem" else {}
+    out0 = envoy.counters() if target in FILTER_FRONTS else {}
     up0 = upstream_requests(envoy)
     figures, wrk_cpu = wrk_run(f"http://{h.LOOPBACK}:{envoy.port('edge')}{sc.path}", sc, duration, seed, log)
     busy = machine_busy_seconds() - busy0
@@ -322,7 +377,7 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
             run.store[op] = run.store.get(op, 0) + d
         if d:
             run.store_outcomes[f"{op}/{outcome}" if outcome else op] = d
-    if target == "idem":
+    if target in FILTER_FRONTS:
         out1 = envoy.counters()
         run.outcomes = {k: v - out0.get(k, 0) for k, v in out1.items() if v - out0.get(k, 0)}
     return run
@@ -351,7 +406,9 @@ def prewarm_replay(stack: Stack, sc: Scenario, seed: str) -> None:
 def run_scenario(stack: Stack, sc: Scenario, rounds: int, duration: float, warmup: float,
                  run_dir: Path, log) -> dict[str, list[Run]]:
     targets = ["plain", "idem"]
-    if sc.mode == "none":
+    if sc.name in ROUTES_SCENARIOS:
+        targets.append("routes")
+    if sc.mode == "none" and sc.name != "passthrough-off":
         targets += [t for t in ("skip", "mint", "floor") if t in stack.envoys]
     runs: dict[str, list[Run]] = {t: [] for t in targets}
     wrk_log = run_dir / f"wrk-{sc.name}.log"
@@ -367,7 +424,7 @@ def run_scenario(stack: Stack, sc: Scenario, rounds: int, duration: float, warmu
             run_seed = seed if sc.mode == "replay" else f"{seed}-{target}{r}"
             run = run_wrk(stack, target, sc, duration, run_seed, wrk_log)
             runs[target].append(run)
-            log(f"  {sc.name:<12} round {r + 1}/{rounds} {target:<5} {run.rps:9.0f} req/s  "
+            log(f"  {sc.name:<15} round {r + 1}/{rounds} {target:<6} {run.rps:9.0f} req/s  "
                 f"p50 {run.p50_ms:6.2f} ms  p99 {run.p99_ms:7.2f} ms  non-2xx {run.non2xx}  errors {run.errors}")
     return runs
 
@@ -391,6 +448,10 @@ class Summary:
     skip: dict | None = None
     # The filter in mint mode (pass-through only).
     mint: dict | None = None
+    # The filter with three route policies (ROUTES_SCENARIOS), and its outcomes per request.
+    routes: dict | None = None
+    routes_outcomes_per_rq: dict[str, float] = field(default_factory=dict)
+    routes_store_outcomes_per_rq: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
@@ -398,6 +459,7 @@ def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
     floor = medians(runs["floor"]) if runs.get("floor") else None
     skip = medians(runs["skip"]) if runs.get("skip") else None
     mint = medians(runs["mint"]) if runs.get("mint") else None
+    routes = medians(runs["routes"]) if runs.get("routes") else None
     n_idem = max(1, idem["requests"])
     store: dict[str, int] = {}
     outcomes: dict[str, int] = {}
@@ -420,10 +482,26 @@ def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
         cpu_us[t] = {c: sum(r.cpu.get(c, 0.0) for r in runs[t]) / n * 1e6 for c in COMPONENTS}
         upstream_per_rq[t] = sum(r.upstream_rq for r in runs[t]) / n
     problems = []
-    for t, m in (("no filter", plain), ("filter", idem)):
-        if m["non2xx"] or m["errors"]:
+    for t, m in (("no filter", plain), ("filter", idem), ("three route policies", routes)):
+        if m and (m["non2xx"] or m["errors"]):
             problems.append(f"{t}: {m['non2xx']} non-2xx, {m['errors']} socket errors")
     notes = []
+    routes_outcomes: dict[str, float] = {}
+    routes_store: dict[str, float] = {}
+    if routes:
+        n_routes = max(1, routes["requests"])
+        for r in runs["routes"]:
+            for k, v in r.outcomes.items():
+                routes_outcomes[k] = routes_outcomes.get(k, 0) + v / n_routes
+            for k, v in r.store_outcomes.items():
+                routes_store[k] = routes_store.get(k, 0) + v / n_routes
+        notes.append(f"three route policies (`routes`; the request on route `orders`): {routes['rps']:.0f} req/s, "
+                     f"**{fmt_ratio(routes['rps'] / plain['rps'])}**, p50 {routes['p50']:.2f} ms, p99 "
+                     f"{routes['p99']:.2f} ms; {routes['rps'] / idem['rps'] - 1:+.1%} req/s against one policy")
+    if sc.name == "passthrough-off":
+        notes.append("the filter Envoy on route `search`, its Wasm filter disabled (`typed_per_filter_config`); "
+                     "filter counters moved: " + (", ".join(f"{k} {v}" for k, v in sorted(outcomes_sum(runs['idem']).items()))
+                                                  or "none"))
     if skip:
         notes.append(f"the filter behind the composite matcher (envoy/envoy.yaml): {skip['rps']:.0f} req/s, "
                      f"**{fmt_ratio(skip['rps'] / plain['rps'])}**, p50 {skip['p50']:.2f} ms")
@@ -438,7 +516,16 @@ def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
                    {k: v / n_idem for k, v in sorted(store.items())},
                    {k: v / n_idem for k, v in sorted(outcomes.items())},
                    {k: v / n_idem for k, v in sorted(store_outcomes.items())}, upstream_per_rq, cpu_us, cores,
-                   problems, extra, floor, skip, mint)
+                   problems, extra, floor, skip, mint, routes, dict(sorted(routes_outcomes.items())),
+                   dict(sorted(routes_store.items())))
+
+
+def outcomes_sum(runs: list[Run]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in runs:
+        for k, v in r.outcomes.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def fmt_ratio(x: float) -> str:
@@ -470,6 +557,8 @@ def one_line(s: Summary) -> str:
         line += f", {s.sc.name}-matcher {fmt_ratio(s.skip['rps'] / s.plain['rps'])}"
     if s.mint:
         line += f", {s.sc.name}-mint {fmt_ratio(s.mint['rps'] / s.plain['rps'])}"
+    if s.routes:
+        line += f", {s.sc.name}-3routes {fmt_ratio(s.routes['rps'] / s.plain['rps'])}"
     return line
 
 
@@ -510,6 +599,10 @@ def outcome_table(summaries: list[Summary]) -> list[str]:
         o = ", ".join(f"{k} {v:.3f}" for k, v in s.outcomes_per_rq.items()) or "none"
         st = ", ".join(f"{k} {v:.3f}" for k, v in s.store_outcomes_per_rq.items()) or "none"
         lines.append(f"| {s.sc.name} | {o} | {st} |")
+        if s.routes:
+            o = ", ".join(f"{k} {v:.3f}" for k, v in s.routes_outcomes_per_rq.items()) or "none"
+            st = ", ".join(f"{k} {v:.3f}" for k, v in s.routes_store_outcomes_per_rq.items()) or "none"
+            lines.append(f"| {s.sc.name}, three route policies | {o} | {st} |")
     return lines
 
 
@@ -522,7 +615,8 @@ def cpu_table(summaries: list[Summary]) -> list[str]:
     ]
     for s in summaries:
         p = s.cpu_us["plain"]
-        for t, name in (("idem", s.sc.name), ("skip", f"{s.sc.name}, filter behind the composite matcher"),
+        for t, name in (("idem", s.sc.name), ("routes", f"{s.sc.name}, filter with three route policies"),
+                        ("skip", f"{s.sc.name}, filter behind the composite matcher"),
                         ("mint", f"{s.sc.name}, filter in mint mode"),
                         ("floor", f"{s.sc.name}, no-op wasm filter instead")):
             if t not in s.cpu_us:
@@ -816,6 +910,13 @@ def throughput_section(summaries, rounds, duration, vers, started, load) -> str:
         "",
         "- passthrough: `POST` with a 1 KiB JSON body and no `Idempotency-Key` (the guarded method",
         "  without a key: the filter lets it through).",
+        "- passthrough-off: the same on route `search` (`/fast/search`), on which the filter Envoy's",
+        "  Wasm filter is disabled by Envoy's per-route `FilterConfig` (`disabled: true` in",
+        "  `typed_per_filter_config`, keyed by the filter's name): Envoy does not create the filter.",
+        "- three route policies (passthrough and unique-1k): a third Envoy, the filter's configuration",
+        "  with `routes` (`payments`: require_key, 2xx and 4xx kept, 7 days; `webhooks`: inbox mode;",
+        "  `orders`: lock_wait_ms 2000), the requests on `orders`, next to the filter with one",
+        "  configuration for every route.",
         "- unique-1k / unique-64k / body-1m: a new key per request, `<seed>-<thread>-<counter>`, the",
         "  seed random per run; each request is `begin` (miss, lock), the upstream, `commit`.",
         "- unique-1k-c1: unique-1k on one connection (`-t1 -c1`): latency without queueing, so the",
@@ -1237,10 +1338,16 @@ def main() -> int:
             mem_rows = memory_growth(stack, args.memory_keys, run_dir, log)
         if args.quick:
             # One short unmeasured run through the filter: the VMs' first calls (V8 tiers the wasm up).
-            run_wrk(stack, "idem", BY_NAME["unique-1k"], 1, f"warm-{secrets.token_hex(6)}", run_dir / "wrk-warm.log")
+            for target in FILTER_FRONTS:
+                run_wrk(stack, target, BY_NAME["unique-1k"], 1, f"warm-{target}-{secrets.token_hex(6)}",
+                        run_dir / "wrk-warm.log")
+        all_runs: dict[str, dict] = {}
         for name in names:
             runs = run_scenario(stack, BY_NAME[name], rounds, duration, warmup, run_dir, log)
             summaries.append(summarize(BY_NAME[name], runs))
+            all_runs[name] = {t: [asdict(r) for r in rs] for t, rs in runs.items()}
+        # Every run's figures (req/s, p50/p90/p99, CPU...), for comparisons across runs.
+        (run_dir / "runs.json").write_text(json.dumps(all_runs, indent=1) + "\n")
         stats_lines = wasm_stats(stack.envoys["idem"])
         if profile_on:
             filter_lat = filter_store_latency(stack, run_dir, log)
