@@ -67,7 +67,7 @@ fn check(c: &Config) {
             (&route.store_cluster, route.store_transport, route.pause_on_headers),
             (&c.store_cluster, c.store_transport, c.pause_on_headers)
         );
-        assert_eq!(c.for_route(name.as_bytes()).map(|r| r.as_ref()), Some(route));
+        assert_eq!(c.routes.get(name.as_bytes()).map(|r| r.as_ref()), Some(route));
         check(route);
     }
     let raw = serde_json::to_value(c.to_raw()).expect("serializes");

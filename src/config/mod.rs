@@ -9,8 +9,6 @@
 //! has a row in docs/configuration.md, with the default the table gives (checked by a test).
 //! Uses `http` only.
 
-use std::rc::Rc;
-
 use serde_json::{json, Value};
 
 use crate::config::keys::{config, err, object, ConfigError};
@@ -145,9 +143,8 @@ impl Config {
 
     /// Checks every key of a configuration as written and builds the configuration.
     pub fn validate(mut raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        let routes_written = raw.routes.take().filter(|v| !v.is_null());
         // Each route inherits the rest as written, so the top level is kept before it is checked.
-        let top_written = routes_written.as_ref().map(|_| raw.clone());
+        let routes_written = raw.routes.take().filter(|v| !v.is_null()).map(|v| (v, raw.clone()));
         // The sending side (mint mode) and the replay listener make no store calls.
         let no_store = matches!(&raw.mode, Some(Value::String(m)) if m == "mint" || m == "grpc_replay");
         let store_cluster = match raw.store_cluster.take() {
@@ -332,14 +329,12 @@ impl Config {
                 ));
             }
         }
-        let routes = match (routes_written, &top_written) {
-            (Some(v), Some(top)) => {
-                if matches!(mode, Mode::Mint | Mode::GrpcReplay) {
-                    return Err(err("routes", "is not used in mint or grpc_replay mode"));
-                }
-                Routes::parse(v, top, env)?
+        let routes = match routes_written {
+            Some(_) if matches!(mode, Mode::Mint | Mode::GrpcReplay) => {
+                return Err(err("routes", "is not used in mint or grpc_replay mode"));
             }
-            _ => Routes::default(),
+            Some((v, top)) => Routes::parse(v, &top, env)?,
+            None => Routes::default(),
         };
         let structured = Structured {
             store_cluster,
@@ -468,11 +463,6 @@ impl Config {
         self.routes.iter().fold((self.retention_seconds, self.lock_ttl_ms), |(r, l), (_, c)| {
             (r.max(c.retention_seconds), l.max(c.lock_ttl_ms))
         })
-    }
-
-    /// The configuration a request on the Envoy route `name` goes by: its policy's, else this.
-    pub fn for_route(&self, name: &[u8]) -> Option<&Rc<Config>> {
-        self.routes.get(name)
     }
 
     pub fn guards_method(&self, method: &str) -> bool {

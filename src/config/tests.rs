@@ -530,7 +530,7 @@ const THREE_ROUTES: &str = r#"{"store_cluster":"s","lock_wait_ms":2000,"policy_u
 #[test]
 fn a_route_s_policy_over_the_rest_as_written() {
     let c = parse(THREE_ROUTES).unwrap();
-    let payments = c.for_route(b"payments").unwrap();
+    let payments = c.routes.get(b"payments").unwrap();
     assert!(payments.require_key);
     assert_eq!(payments.store_statuses.entries(), ["2xx", "4xx"]);
     assert_eq!((payments.retention_seconds, payments.lock_ttl_ms), (604_800, 60_000));
@@ -539,17 +539,17 @@ fn a_route_s_policy_over_the_rest_as_written() {
     assert_eq!(payments.policy_url.as_deref(), Some("https://api.example.com/idem"));
     assert_eq!(payments.detached_timeout_ms, 15_000, "the default of the route's own lock_ttl_ms");
     assert!(payments.routes.is_empty());
-    let webhooks = c.for_route(b"webhooks").unwrap();
+    let webhooks = c.routes.get(b"webhooks").unwrap();
     assert!(webhooks.inbox().is_some());
     assert!(webhooks.fingerprint_headers.is_empty(), "what inbox mode refuses is not inherited");
-    let orders = c.for_route(b"orders").unwrap();
+    let orders = c.routes.get(b"orders").unwrap();
     assert_eq!(
         Config { routes: Routes::default(), ..c.clone() },
         **orders,
         "an empty policy is the top level"
     );
-    assert!(c.for_route(b"search").is_none());
-    assert!(c.for_route(b"\xff").is_none());
+    assert!(c.routes.get(b"search").is_none());
+    assert!(c.routes.get(b"\xff").is_none());
     assert_eq!(c.longest_terms(), (604_800, 60_000));
     let back = serde_json::to_vec(&c.to_raw()).unwrap();
     assert_eq!(Config::from_json(&back).unwrap(), c, "written back, the same configuration");
@@ -559,7 +559,7 @@ fn a_route_s_policy_over_the_rest_as_written() {
             "routes":{"api":{"mode":"idempotency_key","require_key":true}}}"#,
     )
     .unwrap();
-    assert_eq!(inbox_top.for_route(b"api").unwrap().mode, Mode::IdempotencyKey);
+    assert_eq!(inbox_top.routes.get(b"api").unwrap().mode, Mode::IdempotencyKey);
 }
 
 #[test]

@@ -133,7 +133,9 @@ pub fn message_in_flight(cfg: &Config, lock_ms: u64) -> LocalResponse {
     retry_after(r, lock_ms)
 }
 
-pub fn body_too_large(cfg: &Config, max: usize) -> LocalResponse {
+/// A request body over the route's `max_body_bytes`.
+pub fn body_too_large(cfg: &Config) -> LocalResponse {
+    let max = cfg.max_body_bytes;
     problem(
         cfg,
         413,
@@ -221,7 +223,9 @@ pub fn upstream_failed(cfg: &Config) -> LocalResponse {
     )
 }
 
-pub fn upstream_timeout(cfg: &Config, timeout_ms: u64) -> LocalResponse {
+/// A detached execution's upstream outlasted the route's `detached_timeout_ms`.
+pub fn upstream_timeout(cfg: &Config) -> LocalResponse {
+    let timeout_ms = cfg.detached_timeout_ms;
     problem(
         cfg,
         504,
@@ -349,14 +353,14 @@ mod tests {
         for r in [
             missing_key(&cfg),
             invalid_key(&cfg, KeyError::Empty),
-            body_too_large(&cfg, 1),
+            body_too_large(&cfg),
             key_reused(&cfg, &Differs::Target),
             in_flight(&cfg, 1),
             message_in_flight(&cfg, 1),
             store_unavailable(&cfg),
             answer_withheld(&cfg, 1),
             upstream_failed(&cfg),
-            upstream_timeout(&cfg, 1),
+            upstream_timeout(&cfg),
             encoding_not_acceptable(&cfg, "br"),
             hop_header(&cfg),
         ] {
@@ -370,12 +374,12 @@ mod tests {
         for (r, status, code) in [
             (missing_key(&c()), 400, "missing-key"),
             (invalid_key(&c(), KeyError::Empty), 400, "invalid-key"),
-            (body_too_large(&c(), 10), 413, "body-too-large"),
+            (body_too_large(&c()), 413, "body-too-large"),
             (key_reused(&c(), &Differs::Body), 422, "key-reused"),
             (in_flight(&c(), 1), 409, "request-in-flight"),
             (store_unavailable(&c()), 503, "store-unavailable"),
             (upstream_failed(&c()), 502, "upstream-failed"),
-            (upstream_timeout(&c(), 5), 504, "upstream-timeout"),
+            (upstream_timeout(&c()), 504, "upstream-timeout"),
             (missing_message_id(&c()), 400, "missing-message-id"),
             (invalid_message_id(&c(), IdError::Empty), 400, "invalid-message-id"),
             (message_in_flight(&c(), 1), 409, "message-in-flight"),
@@ -422,7 +426,7 @@ mod tests {
     fn problems_become_statuses() {
         let cases = [
             (missing_key(&c()), grpc::INVALID_ARGUMENT, "missing-key: "),
-            (body_too_large(&c(), 10), grpc::RESOURCE_EXHAUSTED, "body-too-large: "),
+            (body_too_large(&c()), grpc::RESOURCE_EXHAUSTED, "body-too-large: "),
             (key_reused(&c(), &Differs::Body), grpc::FAILED_PRECONDITION, "key-reused: "),
             (store_unavailable(&c()), grpc::UNAVAILABLE, "store-unavailable: "),
         ];

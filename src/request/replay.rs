@@ -24,10 +24,7 @@ pub fn answer(
 ) -> (LocalResponse, Metric) {
     let replayed = (cfg.replay_header.clone(), "true".to_string());
     // Until when a retry of it is safe: when the store forgets the record, if that is known.
-    let expiry = match (&cfg.expiry_header, record.expires_ms.and_then(headers::http_date)) {
-        (Some(name), Some(date)) => Some((name.clone(), date)),
-        _ => None,
-    };
+    let expiry = expiry(cfg, record.expires_ms);
     if let Some(status) = cfg.inbox().and_then(|i| i.duplicate_status) {
         let mut headers = vec![replayed];
         headers.extend(expiry);
@@ -55,6 +52,13 @@ pub fn answer(
     headers.push(replayed);
     headers.extend(expiry);
     (LocalResponse { status: u32::from(record.status), headers, body: record.body }, Metric::Replayed)
+}
+
+/// `expiry_header` with the moment (`expires_ms`, since the Unix epoch) a record expires, when
+/// the header is configured and the moment known: on replays, and on the first answer.
+pub fn expiry(cfg: &Config, expires_ms: Option<u64>) -> Option<(String, String)> {
+    let name = cfg.expiry_header.as_ref()?;
+    Some((name.clone(), headers::http_date(expires_ms?)?))
 }
 
 /// The `422` for a retry whose request is not the one `record` was made for, if it is not.

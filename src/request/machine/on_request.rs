@@ -15,7 +15,7 @@ impl Machine {
         }
         if !self.cfg.routes.is_empty() {
             self.route_name = view.property(&["xds", "route_name"]).filter(|n| !n.is_empty());
-            if let Some(cfg) = self.route_name.as_deref().and_then(|n| self.cfg.for_route(n)) {
+            if let Some(cfg) = self.route_name.as_deref().and_then(|n| self.cfg.routes.get(n)) {
                 self.cfg = Rc::clone(cfg);
             }
         }
@@ -472,7 +472,7 @@ fn reject(response: LocalResponse) -> Step {
 }
 
 fn too_large(cfg: &Config, mut effects: Vec<Effect>) -> Step {
-    effects.push(Effect::Respond(problem::body_too_large(cfg, cfg.max_body_bytes)));
+    effects.push(Effect::Respond(problem::body_too_large(cfg)));
     effects.push(Effect::Count(Metric::Rejected));
     Step::pause(effects)
 }

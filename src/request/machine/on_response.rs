@@ -64,10 +64,12 @@ impl Machine {
                     .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
                 let (head, recorded) = self.answer_head(status, length, |name| view.response_header(name));
                 let keep = keep::decide(&self.cfg, &head);
-                let mut effects: Vec<Effect> = match keep {
-                    Keep::Release => vec![],
+                let expiry = match keep {
+                    Keep::Release => None,
                     Keep::Full | Keep::WithoutBody | Keep::StatusOnly => self.expiry_from(view.now_ms()),
                 };
+                let mut effects: Vec<Effect> =
+                    expiry.map(|(name, date)| Effect::SetResponseHeader(name, date)).into_iter().collect();
                 let omitted = match keep {
                     Keep::Full => false,
                     Keep::WithoutBody => true,
@@ -416,9 +418,7 @@ impl Machine {
             Err(fault) => {
                 if !gone {
                     let problem = match fault {
-                        CalloutFault::Timeout => {
-                            problem::upstream_timeout(&self.cfg, self.cfg.detached_timeout_ms)
-                        }
+                        CalloutFault::Timeout => problem::upstream_timeout(&self.cfg),
                         _ => problem::upstream_failed(&self.cfg),
                     };
                     effects.push(Effect::Respond(problem));
@@ -433,13 +433,9 @@ impl Machine {
         let keep = keep::decide(&self.cfg, &head);
         if !gone {
             let mut response = answer.to_local_response();
-            if keep != Keep::Release {
-                for effect in self.expiry_from(now_ms) {
-                    if let Effect::SetResponseHeader(name, value) = effect {
-                        response.headers.retain(|(n, _)| *n != name);
-                        response.headers.push((name, value));
-                    }
-                }
+            if let Some((name, date)) = self.expiry_from(now_ms).filter(|_| keep != Keep::Release) {
+                response.headers.retain(|(n, _)| *n != name);
+                response.headers.push((name, date));
             }
             effects.push(Effect::Respond(response));
         }
@@ -473,14 +469,9 @@ impl Machine {
 
     /// `expiry_header` on a first answer about to be kept: its record lives the route's
     /// retention from `now_ms` (the store counts from the commit, an answer's transfer later).
-    fn expiry_from(&self, now_ms: Option<u64>) -> Vec<Effect> {
-        let Some(name) = &self.cfg.expiry_header else { return vec![] };
-        let expires_ms =
-            now_ms.map(|now| now.saturating_add(self.cfg.retention_seconds.saturating_mul(1000)));
-        match expires_ms.and_then(headers::http_date) {
-            Some(date) => vec![Effect::SetResponseHeader(name.clone(), date)],
-            None => vec![],
-        }
+    fn expiry_from(&self, now_ms: Option<u64>) -> Option<(String, String)> {
+        let retention_ms = self.cfg.retention_seconds.saturating_mul(1000);
+        replay::expiry(&self.cfg, now_ms.map(|now| now.saturating_add(retention_ms)))
     }
 
     /// What [`keep::decide`] needs to know of an answer, and the headers its record would keep,
