@@ -30,6 +30,10 @@ mod tests;
 
 /// At most this many `fingerprint_headers` (each costs a digest in every record).
 pub const MAX_FINGERPRINT_HEADERS: usize = 32;
+/// The longest header name a key may give. Every name a record is written with comes from the
+/// configuration or is one of gRPC's own, so this bounds a record's framing too (the replay
+/// listener's cap).
+pub const MAX_HEADER_NAME: usize = 256;
 
 config! {
     numbers {

@@ -6,7 +6,7 @@ use serde_json::Value;
 use crate::config::keys::{boolean, err, number, object, raw_keys, type_name, ConfigError};
 use crate::config::patterns::{MediaPattern, StatusSet};
 use crate::config::values::*;
-use crate::config::MAX_FINGERPRINT_HEADERS;
+use crate::config::{MAX_FINGERPRINT_HEADERS, MAX_HEADER_NAME};
 use crate::http::{grpc, headers};
 
 raw_keys! {
@@ -104,6 +104,9 @@ pub fn header_name(key: &str, v: Value) -> Result<String, ConfigError> {
     let name = non_empty_string(key, v)?;
     if !headers::is_valid_name(&name) {
         return Err(err(key, format!("must be a lower-case HTTP header name, got {name:?}")));
+    }
+    if name.len() > MAX_HEADER_NAME {
+        return Err(err(key, format!("must be at most {} bytes long", MAX_HEADER_NAME)));
     }
     Ok(name)
 }

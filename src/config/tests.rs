@@ -629,3 +629,16 @@ fn the_published_policy_keys() {
         assert_eq!(key_of(&format!(r#""expiry_header":{bad}"#)), "expiry_header", "{bad}");
     }
 }
+
+#[test]
+fn header_names_are_at_most_256_bytes() {
+    // They bound a record's framing, and so what the replay listener reads.
+    let name = |n: usize| format!("x-{}", "a".repeat(n - 2));
+    for key in ["replay_header", "body_omitted_header", "store_key_header"] {
+        let e = parse(&format!(r#"{{"store_cluster":"s","{key}":"{}"}}"#, name(257))).unwrap_err();
+        assert_eq!(e.key, key, "{e}");
+        parse(&format!(r#"{{"store_cluster":"s","{key}":"{}"}}"#, name(256))).unwrap();
+    }
+    let e = parse(&format!(r#"{{"store_cluster":"s","replay_headers":["{}"]}}"#, name(257))).unwrap_err();
+    assert_eq!(e.key, "replay_headers", "{e}");
+}

@@ -20,7 +20,7 @@
 //! decoded, as records without a print: they replay as they did when they were written, until
 //! they expire. No other magic decodes.
 
-use crate::config::MAX_FINGERPRINT_HEADERS;
+use crate::config::{MAX_FINGERPRINT_HEADERS, MAX_HEADER_NAME};
 use crate::http::{grpc, headers};
 
 const MAGIC: &[u8; 4] = b"IDR2";
@@ -30,6 +30,16 @@ const FLAG_PRINT: u8 = 2;
 const FLAG_TRAILERS: u8 = 4;
 pub const MAX_HEADERS: usize = 64;
 pub const MAX_HEADER_VALUE: usize = 16 * 1024;
+/// The most a record holds besides its body: the fixed part, headers and trailers at their
+/// limits, and a print of every fingerprinted header. What the replay listener reads past
+/// `max_record_bytes`.
+pub const MAX_FRAMING: usize = FIXED + 2 * FIELDS + PRINT;
+/// Magic, status, flags.
+const FIXED: usize = 4 + 2 + 1;
+/// Headers (or trailers): a count, then each with its name and value lengths.
+const FIELDS: usize = 2 + MAX_HEADERS * (2 + MAX_HEADER_NAME + 4 + MAX_HEADER_VALUE);
+/// The target's digest and a count, then each fingerprinted header's name and digest.
+const PRINT: usize = 32 + 1 + MAX_FINGERPRINT_HEADERS * (1 + 255 + 32);
 
 pub type Digest32 = [u8; 32];
 
@@ -287,6 +297,25 @@ mod tests {
             let r = Record::status_only(status);
             assert_eq!(Record::decode(&r.encode()), Ok(r));
         }
+    }
+
+    #[test]
+    fn the_largest_framing_is_max_framing() {
+        let name = |i: usize| format!("x-{i:0>254}");
+        let fields = |n: usize| (0..n).map(|i| (name(i), "v".repeat(MAX_HEADER_VALUE))).collect::<Vec<_>>();
+        let print = RequestPrint {
+            target: [0; 32],
+            headers: (0..MAX_FINGERPRINT_HEADERS).map(|i| (format!("x-{i:0>253}"), [0; 32])).collect(),
+        };
+        let largest = Record {
+            headers: fields(MAX_HEADERS),
+            trailers: Some(fields(MAX_HEADERS)),
+            print: Some(print),
+            ..Record::status_only(200)
+        };
+        assert_eq!(largest.encode().len(), MAX_FRAMING);
+        // tests/support/harness.py (RECORD_FRAMING) sizes the shipped replay listeners with it.
+        assert_eq!(MAX_FRAMING, 2_139_948);
     }
 
     #[test]

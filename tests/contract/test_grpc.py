@@ -61,7 +61,7 @@ def envoys(run_dir, artifacts, orders):
     def guard_hook(config):
         h2_upstream(config, orders.port)
         config["static_resources"]["clusters"].append(h.store_cluster(dead, name="deadstore"))
-        h.add_grpc_replay(config, wasm)
+        h.add_grpc_replay(config, wasm, max_record_bytes=GUARD["max_record_bytes"])
 
     listeners = {
         "guard": [h.wasm_filter(GUARD, wasm)],
@@ -298,7 +298,7 @@ def test_on_redis_cluster_and_in_inbox_mode_calls_run_once(run_dir, artifacts, o
 
         def hook(config):
             h2_upstream(config, orders.port)
-            h.add_grpc_replay(config, wasm)
+            h.add_grpc_replay(config, wasm, max_record_bytes=GUARD["max_record_bytes"])
 
         envoy = h.await_envoy(h.spawn_envoy(
             run_dir, "grpc-cluster-envoy", {"guard": [h.wasm_filter(GUARD, wasm)], "inbox": [h.wasm_filter(inbox, wasm)]},

@@ -19,6 +19,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.exceptions
 
 from .harness import LOOPBACK, Response
 
@@ -115,6 +116,36 @@ class H2Client:
             self.conn.send_headers(sid, [(k.lower(), v) for k, v in trailers], end_stream=True)
         self._flush()
         return sid
+
+    def start(self, method: str, path: str, headers: list[tuple[str, str]] | None = None) -> int:
+        """Open a request and leave its body to `write`; returns the stream id."""
+        sid = self.conn.get_next_available_stream_id()
+        hdrs = [(":method", method), (":scheme", "http"), (":authority", self.authority), (":path", path)]
+        hdrs += [(k.lower(), v) for k, v in (headers or [])]
+        self.streams[sid] = _Stream(started=time.monotonic())
+        self.conn.send_headers(sid, hdrs, end_stream=False)
+        self._flush()
+        return sid
+
+    def write(self, sid: int, data: bytes) -> int:
+        """Send as much of `data` (never ending the stream) as the flow-control windows and the
+        frame size allow; returns how many bytes went, or -1 once the stream is closed."""
+        st = self.streams[sid]
+        if st.ended or st.reset_code is not None:
+            return -1
+        n = min(len(data), self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size)
+        if n <= 0:
+            return 0
+        try:
+            self.conn.send_data(sid, data[:n], end_stream=False)
+        except h2.exceptions.StreamClosedError:
+            return -1
+        self._flush()
+        return n
+
+    def wait(self, timeout: float) -> None:
+        """Read what arrives (answers, window updates) for up to `timeout` seconds."""
+        self._pump(time.monotonic() + timeout)
 
     def response(self, sid: int, timeout: float) -> Response | None:
         """The stream's complete response, or None if it has none within `timeout` seconds.

@@ -499,8 +499,9 @@ def wasm_filter(plugin_config: dict | str, wasm: str, vm_id: str = "idempotency"
 
 
 # What the shipped configurations wrap the filter in (envoy/envoy.yaml): Envoy's composite filter
-# creates the filter only for a request with an Idempotency-Key and a method it guards; the
-# filter never sees (nor counts) the others, and they cost no VM context.
+# creates the filter only for a request with an Idempotency-Key and a method it guards (in any
+# case, as the filter matches methods), or with the gRPC replay hop's header (the filter refuses
+# it); the filter never sees (nor counts) the others, and they cost no VM context.
 def skip_unless_keyed(wasm: dict, methods: tuple[str, ...] = ("POST", "PATCH")) -> dict:
     def header(name: str, match: dict) -> dict:
         return {"single_predicate": {
@@ -509,7 +510,8 @@ def skip_unless_keyed(wasm: dict, methods: tuple[str, ...] = ("POST", "PATCH")) 
                 "header_name": name}},
             "value_match": match}}
 
-    by_method = [header(":method", {"exact": m}) for m in methods]
+    present = {"safe_regex": {"google_re2": {}, "regex": ".*"}}
+    by_method = [header(":method", {"exact": m, "ignore_case": True}) for m in methods]
     return {
         "name": wasm["name"],
         "typed_config": {
@@ -517,9 +519,11 @@ def skip_unless_keyed(wasm: dict, methods: tuple[str, ...] = ("POST", "PATCH")) 
             "extension_config": {"name": "envoy.filters.http.composite", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.composite.v3.Composite"}},
             "xds_matcher": {"matcher_list": {"matchers": [{
-                "predicate": {"and_matcher": {"predicate": [
-                    header("idempotency-key", {"safe_regex": {"google_re2": {}, "regex": ".*"}}),
-                    {"or_matcher": {"predicate": by_method}} if len(by_method) > 1 else by_method[0]]}},
+                "predicate": {"or_matcher": {"predicate": [
+                    {"and_matcher": {"predicate": [
+                        header("idempotency-key", present),
+                        {"or_matcher": {"predicate": by_method}} if len(by_method) > 1 else by_method[0]]}},
+                    header("x-idempotency-grpc-replay", present)]}},
                 "on_match": {"action": {"name": "guard", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.composite.v3.ExecuteFilterAction",
                     "typed_config": wasm}}},
@@ -618,15 +622,30 @@ REPLAY_ROUTE = {
 }
 
 
-def replay_listener(wasm: str) -> dict:
-    """The internal listener of the second hop, with the filter in `grpc_replay` mode."""
-    replay = wasm_filter({"mode": "grpc_replay"}, wasm, vm_id="idempotency_grpc_replay")
+# The most a record holds besides its message (src/store/record.rs, MAX_FRAMING): the replay
+# filter reads its own max_record_bytes (default 1 MiB) plus this.
+RECORD_FRAMING = 2_139_948
+DEFAULT_MAX_RECORD_BYTES = 1048576
+
+
+def replay_buffer_limit(max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> int:
+    """The replay listener's and cluster's buffer limit: what the replay filter reads, rounded up
+    to 256 KiB (3.25 MiB with the default max_record_bytes)."""
+    step = 256 * 1024
+    return -(-(max_record_bytes + RECORD_FRAMING) // step) * step
+
+
+def replay_listener(wasm: str, max_record_bytes: int | None = None) -> dict:
+    """The internal listener of the second hop, with the filter in `grpc_replay` mode (reading
+    records of up to `max_record_bytes`: at least the guards')."""
+    cfg = {"mode": "grpc_replay"} if max_record_bytes is None else \
+        {"mode": "grpc_replay", "max_record_bytes": max_record_bytes}
+    replay = wasm_filter(cfg, wasm, vm_id="idempotency_grpc_replay")
     replay["typed_config"]["config"]["name"] = REPLAY_NAME
     return {
         "name": REPLAY_NAME,
         "internal_listener": {},
-        # A record holds up to max_record_bytes (8 MiB at most) of message.
-        "per_connection_buffer_limit_bytes": 16777216,
+        "per_connection_buffer_limit_bytes": replay_buffer_limit(max_record_bytes or DEFAULT_MAX_RECORD_BYTES),
         "filter_chains": [{"filters": [{
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
@@ -641,11 +660,11 @@ def replay_listener(wasm: str) -> dict:
     }
 
 
-def replay_cluster() -> dict:
+def replay_cluster(max_record_bytes: int | None = None) -> dict:
     return {
         "name": REPLAY_NAME,
         "connect_timeout": "1s",
-        "per_connection_buffer_limit_bytes": 16777216,
+        "per_connection_buffer_limit_bytes": replay_buffer_limit(max_record_bytes or DEFAULT_MAX_RECORD_BYTES),
         "load_assignment": {"cluster_name": REPLAY_NAME, "endpoints": [{"lb_endpoints": [{"endpoint": {
             "address": {"envoy_internal_address": {"server_listener_name": REPLAY_NAME}}}}]}]},
         "transport_socket": {
@@ -665,9 +684,10 @@ def replay_cluster() -> dict:
     }
 
 
-def add_grpc_replay(config: dict, wasm: str) -> dict:
+def add_grpc_replay(config: dict, wasm: str, max_record_bytes: int | None = None) -> dict:
     """Adds the second hop to a rendered config: the extension, the internal listener and its
-    cluster, and the route first in every virtual host of every listener. Returns `config`."""
+    cluster (for guards keeping up to `max_record_bytes`), and the route first in every virtual
+    host of every listener. Returns `config`."""
     config.setdefault("bootstrap_extensions", []).append(INTERNAL_LISTENER_EXTENSION)
     res = config["static_resources"]
     for ln in res["listeners"]:
@@ -676,8 +696,8 @@ def add_grpc_replay(config: dict, wasm: str) -> dict:
                 rc = f.get("typed_config", {}).get("route_config")
                 for vh in (rc or {}).get("virtual_hosts", []):
                     vh["routes"] = [REPLAY_ROUTE] + vh["routes"]
-    res["listeners"].append(replay_listener(wasm))
-    res["clusters"].append(replay_cluster())
+    res["listeners"].append(replay_listener(wasm, max_record_bytes))
+    res["clusters"].append(replay_cluster(max_record_bytes))
     return config
 
 

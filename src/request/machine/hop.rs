@@ -9,10 +9,6 @@
 
 use super::*;
 
-/// The most the replay listener reads: a record of the largest `max_record_bytes` and its
-/// headers and trailers.
-const MAX_HOP_BODY: usize = 8 * 1024 * 1024 + 2 * record::MAX_HEADERS * (record::MAX_HEADER_VALUE + 256);
-
 impl Machine {
     /// The guard: the answer for a gRPC retry whose key has `record`.
     pub(super) fn grpc_replay(&self, record: Record) -> Vec<Effect> {
@@ -69,6 +65,13 @@ impl Machine {
         Effect::Hop { record: hop.encode(), body_len: self.request_len, fallback }
     }
 
+    /// The most the replay listener reads: a record whose message is as large as its own
+    /// `max_record_bytes` lets a guard keep (set it to the largest of its guards'), with its
+    /// headers and trailers. Nothing else reaches it but what a client could make a guard store.
+    fn max_hop_body(&self) -> usize {
+        self.cfg.max_record_bytes + record::MAX_FRAMING
+    }
+
     /// The replay listener, on the request headers: only a re-routed retry is answered.
     pub(super) fn hop_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
         let content_type = first(view.request_header("content-type"));
@@ -81,15 +84,21 @@ impl Machine {
             );
             return Step::pause(vec![Effect::Respond(not_a_replay())]);
         }
+        let declared = first(view.request_header("content-length"))
+            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
+        if declared.is_some_and(|n| n > self.max_hop_body() as u64) {
+            return Step::pause(vec![Effect::Respond(self.hop_too_large())]);
+        }
         self.state = State::HopReading { body: Vec::new() };
         Step::pause(vec![])
     }
 
     pub(super) fn hop_body(&mut self, view: &dyn StreamView, buffered: usize, end_of_stream: bool) -> Step {
+        let cap = self.max_hop_body();
         let State::HopReading { body } = &mut self.state else { return Step::go(vec![]) };
-        if buffered > MAX_HOP_BODY {
+        if buffered > cap {
             self.state = State::Done;
-            return Step::pause(vec![Effect::Respond(not_a_replay())]);
+            return Step::pause(vec![Effect::Respond(self.hop_too_large())]);
         }
         if buffered > body.len() {
             match view.request_body(body.len(), buffered - body.len()) {
@@ -136,6 +145,22 @@ impl Machine {
                 Step::go(vec![])
             }
         }
+    }
+
+    /// The replay listener's `413`: a record larger than it reads (its `max_record_bytes` is
+    /// below a guard's, or something else sent it).
+    fn hop_too_large(&self) -> LocalResponse {
+        log::warn!(
+            "replay listener: a re-routed retry over {} bytes (max_record_bytes {} plus a record's \
+             framing): give the replay listener the largest max_record_bytes of its guards",
+            self.max_hop_body(),
+            self.cfg.max_record_bytes
+        );
+        problem::grpc_status(
+            grpc::RESOURCE_EXHAUSTED,
+            "replay-failed: The stored answer is larger than the replay listener reads.",
+            vec![],
+        )
     }
 }
 

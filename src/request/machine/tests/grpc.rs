@@ -318,3 +318,41 @@ fn the_replay_listener_answers_the_record_and_adds_its_trailers() {
         assert!(r.headers.contains(&("grpc-status".into(), g::INTERNAL.to_string())), "{path}");
     }
 }
+
+#[test]
+fn the_replay_listener_reads_no_more_than_a_record_can_be() {
+    let replay_cfg =
+        Rc::new(Config::from_json(br#"{"mode":"grpc_replay","max_record_bytes":1024}"#).unwrap());
+    let cap = 1024 + crate::store::record::MAX_FRAMING;
+    let hop = |extra: &[(&str, &str)]| {
+        let mut v = MockView::default();
+        v.req(":method", "POST")
+            .req(":path", g::HOP_PATH)
+            .req("content-type", g::RECORD_CONTENT_TYPE)
+            .req(HOP_HEADER, "1");
+        for (n, val) in extra {
+            v.req(n, val);
+        }
+        v
+    };
+    let exhausted = |effects: &[Effect]| {
+        let [Effect::Respond(r)] = effects else { panic!("{effects:?}") };
+        assert!(r.headers.contains(&("grpc-status".into(), g::RESOURCE_EXHAUSTED.to_string())), "{r:?}");
+    };
+    // Declared too large: refused before a byte is read.
+    let mut s = Machine::new(Rc::clone(&replay_cfg));
+    exhausted(&s.on_request_headers(&hop(&[("content-length", &(cap + 1).to_string())]), false).effects);
+    assert!(s.is_done());
+    // Sent too large: refused as soon as Envoy has buffered more.
+    let mut s = Machine::new(Rc::clone(&replay_cfg));
+    let mut v = hop(&[]);
+    v.request_body = vec![0; cap];
+    assert_eq!(s.on_request_headers(&v, false), Step::pause(vec![]));
+    assert_eq!(s.on_request_body(&v, cap, false), Step::pause(vec![]));
+    exhausted(&s.on_request_body(&v, cap + 1, false).effects);
+    assert!(s.is_done());
+    // Up to the cap, declared and read: read.
+    let mut s = Machine::new(replay_cfg);
+    let v = hop(&[("content-length", &cap.to_string())]);
+    assert_eq!(s.on_request_headers(&v, false), Step::pause(vec![]));
+}
