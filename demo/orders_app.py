@@ -3,9 +3,14 @@
 gives each of its paths its own route and policy.
 
     POST /orders          create an order from a JSON body -> 201 {"id": "ord_000001", ...}
-                          with `location: /orders/<id>`
+                          with `location: /orders/<id>`; kept with the filter's store key
+                          (`x-idempotency-store-key`); `x-demo-delay-ms: N` makes it a slow
+                          handler: the order is created after N ms, whoever is still waiting
     GET  /orders          list orders
     GET  /orders/<id>     one order, or 404
+    GET  /orders/by-key/<store key>
+                          the order created under that store key, answered as its POST was
+                          (201 and `location`), or 404: the filter's `outcome_lookup`
     POST /payments        charge: 201 {"id": "pay_000001", ...}, or 402 when the body's "card"
                           is "declined"; every charge attempt is counted
     GET  /payments        payments made and charge attempts
@@ -50,9 +55,14 @@ class Orders:
         self._lock = threading.Lock()
         self._seq = 0
         self._orders: dict[str, dict] = {}
+        # The filter's store key -> order id: written with the order, as a unique column would be.
+        self._by_key: dict[str, str] = {}
 
-    def create(self, payload) -> dict:
+    def create(self, payload, store_key: str | None = None) -> dict:
         with self._lock:
+            if store_key and store_key in self._by_key:
+                # One order per store key, whatever reaches the app twice.
+                return dict(self._orders[self._by_key[store_key]])
             self._seq += 1
             oid = f"ord_{self._seq:06d}"
             order = {
@@ -66,7 +76,14 @@ class Orders:
             else:
                 order["item"] = payload
             self._orders[oid] = order
+            if store_key:
+                self._by_key[store_key] = oid
             return dict(order)
+
+    def by_key(self, store_key: str) -> dict | None:
+        with self._lock:
+            oid = self._by_key.get(store_key)
+            return dict(self._orders[oid]) if oid else None
 
     def get(self, oid: str) -> dict | None:
         with self._lock:
@@ -181,6 +198,12 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(200, {"/payments": {"payments": snap["payments"], "attempts": snap["attempts"]},
                                  "/webhooks": {"events": snap["events"]},
                                  "/search": {"searches": snap["searches"]}}[path])
+        elif path.startswith("/orders/by-key/"):
+            order = ORDERS.by_key(path[len("/orders/by-key/"):])
+            if order is None:
+                self.problem(404, "not found", "no order was created under this key")
+            else:
+                self.send_json(201, order, [("location", f"/orders/{order['id']}")])
         elif path.startswith("/orders/"):
             order = ORDERS.get(path[len("/orders/"):])
             if order is None:
@@ -221,8 +244,15 @@ class Handler(BaseHTTPRequestHandler):
             query = payload.get("q") if isinstance(payload, dict) else None
             self.send_json(200, {"query": query, "results": [], "search": COUNTS.search()})
             return
-        order = ORDERS.create(payload)
-        self.send_json(201, order, [("location", f"/orders/{order['id']}")])
+        delay_ms = int(self.headers.get("x-demo-delay-ms") or 0)
+        if delay_ms > 0:
+            time.sleep(min(delay_ms, 60_000) / 1000)
+        order = ORDERS.create(payload, self.headers.get("x-idempotency-store-key"))
+        try:
+            self.send_json(201, order, [("location", f"/orders/{order['id']}")])
+        except OSError:
+            # The client (or Envoy's timeout) left: the order stands; its answer is lost.
+            self.close_connection = True
 
     do_HEAD = do_GET
 

@@ -81,6 +81,11 @@ fn check(c: &Config) {
         }
     }
     assert!((1..=c.lock_ttl_ms).contains(&c.detached_timeout_ms), "a detached call outlives its lock");
+    // The application can only be asked about a store key it received.
+    if let Some(lookup) = &c.outcome_lookup {
+        assert!(c.store_key_header.is_some(), "outcome_lookup without store_key_header");
+        assert!(lookup.path.starts_with('/') && lookup.path.contains("{key}"), "{:?}", lookup.path);
+    }
     assert!(!c.methods.is_empty());
     for m in &c.methods {
         assert!(!m.is_empty() && m.bytes().all(|b| b.is_ascii_uppercase()), "{m:?}");

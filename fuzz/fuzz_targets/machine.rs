@@ -58,6 +58,9 @@ struct Knobs {
     /// (`CONTENT_TYPES`); bit 5: `record_too_large: release`; bit 6: `lock_wait_ms: 0`; bit 7: a
     /// `body_omitted_header` of its own.
     keep: u8,
+    /// `unknown_outcome`: 0 `hold` (the default, left out), 1 `run_again`, 2 `hold` with
+    /// `outcome_lookup` (and so `store_key_header`).
+    unknown: u8,
 }
 
 /// `store_statuses` choices (`null`: the key is left out).
@@ -102,8 +105,13 @@ impl Knobs {
             "max_record_bytes": SIZES[usize::from(self.max_record) % SIZES.len()],
             "replay_headers": replay,
         });
-        if self.store_key_header {
+        if self.store_key_header || self.unknown % 3 == 2 {
             json["store_key_header"] = "x-store-key".into();
+        }
+        match self.unknown % 3 {
+            1 => json["unknown_outcome"] = "run_again".into(),
+            2 => json["outcome_lookup"] = serde_json::json!({"path": "/orders/by-key/{key}"}),
+            _ => {}
         }
         if self.continue_on_headers {
             json["pause_on_headers"] = false.into();
@@ -299,6 +307,36 @@ enum Begin {
     Busy(LockMs),
     Mismatch,
     Fault(Fault),
+    /// In doubt; `true`: the first attempt may still be running.
+    InDoubt(bool),
+}
+
+/// Envoy's `response.code_details` for the response headers, and the router's tries.
+#[derive(Arbitrary, Debug)]
+enum Details {
+    ViaUpstream,
+    Timeout,
+    ResetAfterSent,
+    Refused,
+    NoHealthyUpstream,
+    BeforeRouter,
+    Raw(Bytes),
+}
+
+impl Details {
+    fn details(&self) -> String {
+        match self {
+            Details::ViaUpstream => "via_upstream".into(),
+            Details::Timeout => "response_timeout".into(),
+            Details::ResetAfterSent => "upstream_reset_before_response_started{connection_termination}".into(),
+            Details::Refused => {
+                "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}".into()
+            }
+            Details::NoHealthyUpstream => "no_healthy_upstream".into(),
+            Details::BeforeRouter => "request_payload_too_large".into(),
+            Details::Raw(b) => String::from_utf8_lossy(&b.to_vec()).into_owned(),
+        }
+    }
 }
 
 /// Which request a replayed record says it answers.
@@ -497,7 +535,7 @@ enum Ev {
     RequestBody(u32, bool),
     RequestTrailers,
     Begin(Begin),
-    ResponseHeaders(Response, bool),
+    ResponseHeaders(Response, Option<Details>, bool),
     ResponseBody(Bytes, bool),
     ResponseTrailers,
     Upstream(Upstream),
@@ -516,10 +554,17 @@ impl Ev {
                 Begin::Busy(ms) => Ok(BeginAnswer::Busy { lock_ms: ms.ms() }),
                 Begin::Mismatch => Ok(BeginAnswer::Mismatch),
                 Begin::Fault(f) => Err(f.fault()),
+                Begin::InDoubt(running) => Ok(BeginAnswer::InDoubt {
+                    token: "t0".into(),
+                    started_ms: 1,
+                    running_ms: if *running { 2_000 } else { 0 },
+                }),
             }),
-            Ev::ResponseHeaders(r, eos) => {
-                Event::ResponseHeaders { headers: r.headers(ctx), end_of_stream: *eos }
-            }
+            Ev::ResponseHeaders(r, details, eos) => Event::ResponseHeaders {
+                headers: r.headers(ctx),
+                details: details.as_ref().map(Details::details),
+                end_of_stream: *eos,
+            },
             Ev::ResponseBody(b, eos) => Event::ResponseBody { chunk: b.to_vec(), end_of_stream: *eos },
             Ev::ResponseTrailers => Event::ResponseTrailers,
             Ev::Upstream(Upstream::Answer(r, body)) => {

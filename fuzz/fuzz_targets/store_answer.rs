@@ -103,6 +103,14 @@ fn decimal(headers: &[(String, Vec<u8>)], name: &str, max: u64) -> Option<u64> {
         .filter(|n| (1..=max).contains(n))
 }
 
+/// As [`decimal`], zero allowed.
+fn decimal0(headers: &[(String, Vec<u8>)], name: &str, max: u64) -> Option<u64> {
+    first(headers, name)
+        .filter(|v| !v.is_empty() && v.len() <= 20 && v.iter().all(u8::is_ascii_digit))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
+        .filter(|n| *n <= max)
+}
+
 fn first<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a [u8]> {
     headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_slice())
 }
@@ -176,6 +184,17 @@ fuzz_target!(|input: Input| {
                     BeginOutcome::Busy
                 }
                 BeginAnswer::Mismatch => BeginOutcome::Mismatch,
+                BeginAnswer::InDoubt { token, started_ms, running_ms } => {
+                    assert!(proto::is_token(token.to_string().as_bytes()), "{token:?}");
+                    assert_eq!(first(&headers, proto::HEADER_TOKEN), Some(token.to_string().as_bytes()));
+                    assert!(*running_ms <= proto::MAX_LOCK_TTL_MS, "{running_ms}");
+                    assert_eq!(decimal0(&headers, proto::HEADER_STARTED_MS, u64::MAX), Some(*started_ms));
+                    assert_eq!(
+                        decimal0(&headers, proto::HEADER_RUNNING_MS, proto::MAX_LOCK_TTL_MS),
+                        Some(*running_ms)
+                    );
+                    BeginOutcome::InDoubt
+                }
                 BeginAnswer::Withheld => panic!("only the local fallback answers withheld, never the store"),
             };
             assert_eq!(wire.as_str().as_bytes(), outcome);
@@ -194,6 +213,12 @@ fuzz_target!(|input: Input| {
         Some(BeginOutcome::Record) => assert_eq!(begin.is_ok(), Record::decode(&body).is_ok()),
         Some(BeginOutcome::Locked) => {
             let well_formed = first(&headers, proto::HEADER_TOKEN).is_some_and(proto::is_token);
+            assert_eq!(begin.is_ok(), well_formed);
+        }
+        Some(BeginOutcome::InDoubt) => {
+            let well_formed = first(&headers, proto::HEADER_TOKEN).is_some_and(proto::is_token)
+                && decimal0(&headers, proto::HEADER_STARTED_MS, u64::MAX).is_some()
+                && decimal0(&headers, proto::HEADER_RUNNING_MS, proto::MAX_LOCK_TTL_MS).is_some();
             assert_eq!(begin.is_ok(), well_formed);
         }
     }

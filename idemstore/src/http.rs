@@ -14,7 +14,10 @@
 //! 3. routing: an unknown path is `404`, a known path with another method `405`;
 //! 4. the body: none at all on `begin` and `release` (`413`), at most
 //!    [`Options::max_body_bytes`] on `commit` and `commits` (`413`, nothing stored);
-//! 5. every protocol header, each exactly once and well-formed, else `400` naming it; `commit`
+//! 5. every protocol header, each exactly once and well-formed, else `400` naming it (the
+//!    optional ones, `x-idem-deadline-ms`, `x-idem-hold` and `x-idem-in-doubt`, at most once;
+//!    `x-idem-hold: 1` makes `x-idem-retention-s` required and allows `x-idem-supersede`,
+//!    which without it is refused); `commit`
 //!    also needs a non-empty record, `commits` a well-formed body ([`proto::decode_batch`]:
 //!    1 to [`proto::MAX_BATCH_ITEMS`] items, each checked as `commit` checks its headers), else
 //!    `400` naming the first bad item and nothing is committed.
@@ -48,7 +51,7 @@ use axum::Router;
 use idem_protocol as proto;
 
 use crate::admin;
-use crate::backend::{Backend, BackendError};
+use crate::backend::{Backend, BackendError, Hold};
 use crate::error::{refused, Error};
 use crate::metrics::{self, Op, Outcome, Rejection};
 use crate::secret::Secret;
@@ -190,6 +193,10 @@ pub fn router<B: Backend>(store: Arc<Store<B>>, options: Options) -> Router {
             &format!("{}/{{key}}", admin::PATH_RECORDS),
             get(admin::get_record::<B>).delete(admin::delete_record::<B>).layer(no_body()),
         )
+        .route(
+            &format!("{}/{{key}}/{}", admin::PATH_RECORDS, admin::RESOLVE),
+            post(admin::resolve_record::<B>),
+        )
         .route(admin::PATH_COUNTS, get(admin::get_counts::<B>).layer(no_body()))
         .layer(DefaultBodyLimit::max(options.max_body_bytes))
         .with_state(Arc::clone(&store));
@@ -231,6 +238,18 @@ fn token(headers: &HeaderMap) -> Result<&str, Error> {
     checked(headers, proto::HEADER_TOKEN, proto::is_token, "a lock token")
 }
 
+/// An optional `0`/`1` header: absent is `false`; repeated or anything else is a bad request.
+fn flag(headers: &HeaderMap, name: &str) -> Result<bool, Error> {
+    if headers.get(name).is_none() {
+        return Ok(false);
+    }
+    match header(headers, name)? {
+        b"0" => Ok(false),
+        b"1" => Ok(true),
+        _ => Err(Error::BadRequest(format!("header {name} must be 0 or 1"))),
+    }
+}
+
 fn bounded(headers: &HeaderMap, name: &str, max: u64) -> Result<u64, Error> {
     within(headers, name, 1, max)
 }
@@ -244,7 +263,13 @@ fn within(headers: &HeaderMap, name: &str, min: u64, max: u64) -> Result<u64, Er
 /// Whole milliseconds rounded up, at least 1: what `x-idem-lock-remaining-ms` carries, so a
 /// retry timed by it never comes before the lock expires.
 pub(crate) fn ceil_millis(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX).max(1)
+    running_millis(d).max(1)
+}
+
+/// Whole milliseconds rounded up, 0 for zero: what `x-idem-running-ms` carries (`0`: the
+/// in-doubt attempt can no longer be running).
+pub(crate) fn running_millis(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
 }
 
 fn answer(outcome: &'static str) -> Response {
@@ -263,6 +288,14 @@ struct BeginArgs<'a> {
     wait: Duration,
     /// When the caller gives up, on this host's monotonic clock.
     give_up: Option<tokio::time::Instant>,
+    /// `x-idem-hold: 1`: its retention and the token it supersedes.
+    hold: Option<(Duration, Option<&'a str>)>,
+}
+
+impl BeginArgs<'_> {
+    fn hold(&self) -> Option<Hold<'_>> {
+        self.hold.map(|(retention, supersede)| Hold { retention, supersede })
+    }
 }
 
 /// The body is always empty (the route's limit is 0), but must be read for the limit to apply
@@ -276,7 +309,28 @@ fn begin_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Resul
         // 0: a single attempt, `busy` at once if the lock is held.
         wait: Duration::from_millis(within(headers, proto::HEADER_WAIT_MS, 0, proto::MAX_WAIT_MS)?),
         give_up: give_up(headers)?,
+        hold: hold(headers)?,
     })
+}
+
+/// `x-idem-hold` (optional, `0` or `1`); with `1`, `x-idem-retention-s` (required) and
+/// `x-idem-supersede` (optional, a token). Without it, `x-idem-retention-s` is not read and
+/// `x-idem-supersede` is refused: superseding needs the trace's rules.
+fn hold(headers: &HeaderMap) -> Result<Option<(Duration, Option<&str>)>, Error> {
+    if !flag(headers, proto::HEADER_HOLD)? {
+        if headers.get(proto::HEADER_SUPERSEDE).is_some() {
+            let why = format!("header {} needs {}: 1", proto::HEADER_SUPERSEDE, proto::HEADER_HOLD);
+            return Err(Error::BadRequest(why));
+        }
+        return Ok(None);
+    }
+    let retention = Duration::from_secs(bounded(headers, proto::HEADER_RETENTION_S, proto::MAX_RETENTION_S)?);
+    let supersede = if headers.get(proto::HEADER_SUPERSEDE).is_some() {
+        Some(checked(headers, proto::HEADER_SUPERSEDE, proto::is_token, "a lock token")?)
+    } else {
+        None
+    };
+    Ok(Some((retention, supersede)))
 }
 
 /// `x-idem-deadline-ms` (optional), the caller's wall-clock deadline, as an instant on this
@@ -312,20 +366,23 @@ async fn begin<B: Backend>(
         Err(e) => return refused(&store, e),
     };
     let timer = store.metrics().timer(Op::Begin, started);
-    let begun =
-        match store.begin_until(args.key, args.body_hash, args.lock_ttl, args.wait, args.give_up).await {
-            Ok(begun) => begun,
-            Err(e) => {
-                timer.failed(&e);
-                return Error::from(e).into_response();
-            }
-        };
+    let begun = match store
+        .begin_with(args.key, args.body_hash, args.lock_ttl, args.wait, args.give_up, args.hold())
+        .await
+    {
+        Ok(begun) => begun,
+        Err(e) => {
+            timer.failed(&e);
+            return Error::from(e).into_response();
+        }
+    };
     let outcome = match &begun {
         Begin::Record(..) => proto::BeginOutcome::Record,
         Begin::Mismatch => proto::BeginOutcome::Mismatch,
         Begin::Busy { .. } => proto::BeginOutcome::Busy,
         Begin::Locked { .. } => proto::BeginOutcome::Locked,
         Begin::Expired => proto::BeginOutcome::Expired,
+        Begin::InDoubt { .. } => proto::BeginOutcome::InDoubt,
     };
     let mut response = answer(outcome.as_str());
     match begun {
@@ -356,6 +413,20 @@ async fn begin<B: Backend>(
                     HeaderValue::from(ceil_millis(remaining)),
                 );
             }
+        }
+        Begin::InDoubt { token, started_ms, running } => {
+            let Ok(token) = HeaderValue::try_from(token) else {
+                let e = BackendError::Unavailable("an in-doubt trace with an invalid token".into());
+                timer.failed(&e);
+                return Error::from(e).into_response();
+            };
+            let headers = response.headers_mut();
+            headers.insert(HeaderName::from_static(proto::HEADER_TOKEN), token);
+            headers.insert(HeaderName::from_static(proto::HEADER_STARTED_MS), HeaderValue::from(started_ms));
+            headers.insert(
+                HeaderName::from_static(proto::HEADER_RUNNING_MS),
+                HeaderValue::from(running_millis(running)),
+            );
         }
         Begin::Mismatch | Begin::Expired => {}
     }
@@ -477,14 +548,18 @@ async fn release<B: Backend>(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let started = Instant::now();
-    let args =
-        body.map_err(Error::from).and_then(|_| Ok((hex64(&headers, proto::HEADER_KEY)?, token(&headers)?)));
-    let (key, token) = match args {
+    let args = body.map_err(Error::from).and_then(|_| {
+        Ok((hex64(&headers, proto::HEADER_KEY)?, token(&headers)?, flag(&headers, proto::HEADER_IN_DOUBT)?))
+    });
+    let (key, token, in_doubt) = match args {
         Ok(args) => args,
         Err(e) => return refused(&store, e),
     };
     let timer = store.metrics().timer(Op::Release, started);
-    match store.release(key, token).await {
+    if in_doubt {
+        store.metrics().in_doubt_release();
+    }
+    match store.release(key, token, in_doubt).await {
         Ok(outcome) => {
             timer.answered(Outcome::Release(outcome));
             answer(outcome.as_str())
@@ -539,5 +614,8 @@ mod tests {
         assert_eq!(ceil_millis(Duration::from_micros(29_999_001)), 30_000);
         assert_eq!(ceil_millis(Duration::from_secs(30)), 30_000);
         assert_eq!(ceil_millis(Duration::MAX), u64::MAX);
+        assert_eq!(running_millis(Duration::ZERO), 0);
+        assert_eq!(running_millis(Duration::from_nanos(1)), 1);
+        assert_eq!(running_millis(Duration::from_millis(250)), 250);
     }
 }

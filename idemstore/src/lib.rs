@@ -6,13 +6,14 @@
 //! | module | owns | uses |
 //! |---|---|---|
 //! | [`http`] | the router: the protocol's routes, `/healthz`, `/metrics`, the secret check, header and body validation | `admin`, `error`, `store`, `metrics`, `secret`, `backend` |
-//! | [`tools`] | `idemstore records`: the operator's command line, on Redis (Cluster) directly or through `admin`'s routes | `admin`, `secret`, `backend` |
-//! | [`admin`] | the operator's routes under `/v1/admin/`, and the lookups and reports `idemstore records` shares with them | `error`, `store`, `backend` |
+//! | [`tools`] | `idemstore records`: the operator's command line, on Redis (Cluster) directly or through `admin`'s routes | `admin`, `answer`, `secret`, `backend` |
+//! | [`admin`] | the operator's routes under `/v1/admin/`, and the lookups and reports `idemstore records` shares with them | `answer`, `error`, `store`, `backend` |
 //! | [`error`] | what a route answers when it fails, and the count of refusals | `store`, `metrics`, `backend` |
 //! | [`store`] | the protocol's operations over a backend, with the `begin` long-poll | `backend`, `metrics`, `waiters` |
 //! | [`metrics`] | the Prometheus metrics of one instance | `backend` |
 //! | [`backend`] | the [`backend::Backend`] interface and its implementations: [`backend::memory`], [`backend::redis`] with [`backend::pubsub`] and [`backend::sentinel`]; how Redis is reached ([`backend::access`]: TLS, credentials, key prefix) | `waiters` |
 //! | [`waiters`] | per-key wake-ups for `begin` calls waiting on a held lock | nothing |
+//! | [`answer`] | the filter's record of an answer (`IDR2`), as an operator writes one to resolve a key in doubt | nothing |
 //! | [`secret`] | the shared secret: its form, its file, constant-time comparison | nothing |
 //! | [`tls`] | the listener over TLS: certificates, client certificates, reloads | nothing |
 //!
@@ -22,6 +23,7 @@
 //! The binary (`main.rs`) uses `http`, `tools`, `store`, `backend`, `secret` and `tls`.
 
 pub mod admin;
+pub mod answer;
 pub mod backend;
 pub mod error;
 pub mod http;

@@ -32,8 +32,8 @@ const SWEEP_PERIOD: Duration = Duration::from_secs(5);
 
 /// Store-and-lock service for the Envoy idempotency filter.
 ///
-/// Without a command it serves (the flags below); `idemstore records` looks up, deletes and
-/// counts what the store holds.
+/// Without a command it serves (the flags below); `idemstore records` looks up, deletes,
+/// resolves and counts what the store holds.
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Cli {
@@ -125,12 +125,14 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Look up, delete or count records and locks: for the day a wrong answer was stored.
+    /// Look up, delete, resolve or count records, locks and keys in doubt: for the day a wrong
+    /// answer was stored or an attempt's outcome is unknown.
     ///
-    /// Look up or delete the record and lock of a request (subject, method, route, client key,
-    /// derived as the filter derives its store key) or of a store key, and count records and
-    /// locks; against Redis, Redis Cluster or a running idemstore (with its secret). See
-    /// `idemstore records lookup --help`.
+    /// Look up or delete the record, lock and trace of a request (subject, method, route, client
+    /// key, derived as the filter derives its store key) or of a store key, resolve a key in
+    /// doubt with the answer the application gave, and count records, locks and keys in doubt;
+    /// against Redis, Redis Cluster or a running idemstore (with its secret). See `idemstore
+    /// records lookup --help`.
     #[command(subcommand)]
     Records(tools::Records),
 }

@@ -12,6 +12,7 @@
 //! | `idemstore_backend_up` | gauge | | whether the backend answered its health check at the scrape |
 //! | `idemstore_commit_batches_total` | counter | | `commits` calls that got past validation (each item also counts as a `commit` above) |
 //! | `idemstore_commit_batch_items_total` | counter | | the items of those calls |
+//! | `idemstore_in_doubt_releases_total` | counter | | releases that got past validation asking to keep the attempt's trace (`x-idem-in-doubt: 1`: sent, and no answer came back); each also counts in `requests_total` |
 //! | `idemstore_memory_keys`, `_bytes`, `_max_keys`, `_max_bytes` | gauge | | in-memory backend only |
 //!
 //! Every series a request can touch is created when the store is, and its handle kept: the
@@ -73,6 +74,7 @@ impl Op {
                 Outcome::Begin(BeginOutcome::Mismatch),
                 Outcome::Begin(BeginOutcome::Busy),
                 Outcome::Begin(BeginOutcome::Expired),
+                Outcome::Begin(BeginOutcome::InDoubt),
                 Error,
                 Cancelled,
             ],
@@ -190,7 +192,7 @@ struct OpSeries {
 
 impl OpSeries {
     fn count(&self, outcome: Outcome) {
-        // At most seven entries (`begin`'s): cheaper than any map, and nothing to allocate.
+        // At most eight entries (`begin`'s): cheaper than any map, and nothing to allocate.
         if let Some((_, counter)) = self.outcomes.iter().find(|(o, _)| *o == outcome) {
             counter.inc();
         }
@@ -218,6 +220,7 @@ pub struct Metrics {
     backend_up: Gauge,
     commit_batches: Counter,
     commit_batch_items: Counter,
+    in_doubt_releases: Counter,
     memory: Option<MemoryGauges>,
 }
 
@@ -307,6 +310,14 @@ impl Metrics {
             commit_batch_items.clone(),
         );
 
+        let in_doubt_releases = Counter::default();
+        registry.register(
+            "in_doubt_releases",
+            "Releases that got past validation keeping the attempt's trace (x-idem-in-doubt: 1, the \
+             attempt was sent and no answer came back); each also counts in requests_total",
+            in_doubt_releases.clone(),
+        );
+
         let memory = memory.then(|| {
             let gauges = MemoryGauges {
                 keys: Gauge::default(),
@@ -316,7 +327,8 @@ impl Metrics {
             };
             registry.register(
                 "memory_keys",
-                "In-memory backend: keys holding a record or a lock, expired ones until swept",
+                "In-memory backend: keys holding a record or a lock, plus traces of attempts, expired ones \
+                 until swept",
                 gauges.keys.clone(),
             );
             registry.register_with_unit(
@@ -349,6 +361,7 @@ impl Metrics {
             backend_up,
             commit_batches,
             commit_batch_items,
+            in_doubt_releases,
             memory,
         }
     }
@@ -364,6 +377,11 @@ impl Metrics {
     pub fn batch(&self, items: usize) {
         self.commit_batches.inc();
         self.commit_batch_items.inc_by(u64::try_from(items).unwrap_or(u64::MAX));
+    }
+
+    /// Counts a release that got past validation and keeps the attempt's trace (in doubt).
+    pub fn in_doubt_release(&self) {
+        self.in_doubt_releases.inc();
     }
 
     /// Counts a request refused before the backend.
@@ -472,11 +490,13 @@ mod tests {
             "# TYPE idemstore_backend_up gauge",
             "# TYPE idemstore_commit_batches_total counter",
             "# TYPE idemstore_commit_batch_items_total counter",
+            "# TYPE idemstore_in_doubt_releases_total counter",
             "# TYPE idemstore_memory_keys gauge",
             "# TYPE idemstore_memory_bytes gauge",
             "# TYPE idemstore_memory_max_keys gauge",
             "# TYPE idemstore_memory_max_bytes gauge",
             "idemstore_requests_total{op=\"begin\",outcome=\"locked\"} 0",
+            "idemstore_requests_total{op=\"begin\",outcome=\"in-doubt\"} 0",
             "idemstore_requests_total{op=\"release\",outcome=\"not-owner\"} 0",
             "idemstore_requests_total{op=\"commit\",outcome=\"cancelled\"} 0",
             "idemstore_request_duration_seconds_bucket{op=\"begin\",le=\"0.0001\"} 0",
@@ -492,6 +512,7 @@ mod tests {
             "idemstore_backend_up 1",
             "idemstore_commit_batches_total 0",
             "idemstore_commit_batch_items_total 0",
+            "idemstore_in_doubt_releases_total 0",
             "idemstore_memory_keys 3",
             "idemstore_memory_bytes 7",
             "idemstore_memory_max_keys 10",
@@ -519,6 +540,8 @@ mod tests {
         metrics.timer(Op::Begin, now).answered(Outcome::Begin(BeginOutcome::Locked));
         metrics.timer(Op::Commit, now).failed(&BackendError::Full);
         drop(metrics.timer(Op::Release, now));
+        metrics.timer(Op::Begin, now).answered(Outcome::Begin(BeginOutcome::InDoubt));
+        metrics.in_doubt_release();
         metrics.batch(3);
         metrics.batch(64);
         {
@@ -532,7 +555,9 @@ mod tests {
             "idemstore_requests_total{op=\"commit\",outcome=\"error\"} 1",
             "idemstore_backend_errors_total{op=\"commit\",reason=\"full\"} 1",
             "idemstore_requests_total{op=\"release\",outcome=\"cancelled\"} 1",
-            "idemstore_request_duration_seconds_count{op=\"begin\"} 1",
+            "idemstore_requests_total{op=\"begin\",outcome=\"in-doubt\"} 1",
+            "idemstore_in_doubt_releases_total 1",
+            "idemstore_request_duration_seconds_count{op=\"begin\"} 2",
             "idemstore_request_duration_seconds_count{op=\"commit\"} 1",
             "idemstore_request_duration_seconds_count{op=\"release\"} 1",
             "idemstore_begin_wait_seconds_count 1",

@@ -1,8 +1,9 @@
 //! The protocol's store operations as the HTTP layer calls them: [`Store::begin`] (and
-//! [`Store::begin_until`]), [`Store::commit`] and [`Store::release`], plus [`Store::health`],
-//! over one backend, with the `begin` long-poll: a lock held elsewhere is waited on, woken by
-//! [`Waiters`] and re-checked with backoff. A `commits` call is one [`Store::commit`] per item
-//! (the HTTP layer's loop); the operator's lookups and deletes go to [`Store::backend`] directly.
+//! [`Store::begin_until`], [`Store::begin_with`]), [`Store::commit`] and [`Store::release`],
+//! plus [`Store::health`], over one backend, with the `begin` long-poll: a lock held elsewhere
+//! is waited on, woken by [`Waiters`] and re-checked with backoff. A `commits` call is one
+//! [`Store::commit`] per item (the HTTP layer's loop); the operator's lookups, deletes and
+//! resolutions go to [`Store::backend`] directly.
 //!
 //! Owns the lock tokens ([`new_token`]), the waiters and the metrics of one instance; uses
 //! [`crate::backend`], [`crate::metrics`] and [`crate::waiters`], never the HTTP layer.
@@ -17,7 +18,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::backend::{Attempt, Backend, CommitOutcome, ReleaseOutcome, Result};
+use crate::backend::{Attempt, Backend, CommitOutcome, Hold, ReleaseOutcome, Result};
 use crate::metrics::Metrics;
 use crate::waiters::{RemoteWakeups, Waiters};
 
@@ -46,6 +47,13 @@ pub enum Begin {
     /// The caller had given up on the call before it could be served (see
     /// [`Store::begin_until`]): nothing was looked up or locked.
     Expired,
+    /// (with a hold) An earlier attempt's outcome is unknown (see [`Attempt::InDoubt`]):
+    /// final, like [`Begin::Mismatch`]; no lock was taken.
+    InDoubt {
+        token: String,
+        started_ms: u64,
+        running: Duration,
+    },
 }
 
 #[derive(Debug)]
@@ -148,6 +156,22 @@ impl<B: Backend> Store<B> {
         wait: Duration,
         give_up: Option<Instant>,
     ) -> Result<Begin> {
+        self.begin_with(key, body_hash, lock_ttl, wait, give_up, None).await
+    }
+
+    /// [`Store::begin_until`] that, with `hold`, keeps a trace of the attempt it locks for and
+    /// answers [`Begin::InDoubt`] for an earlier attempt's (see [`crate::backend`]). A wait for
+    /// a held lock ends as usual; a release that keeps its trace (`in_doubt`) wakes the waiters,
+    /// and their next attempt finds the key in doubt.
+    pub async fn begin_with(
+        &self,
+        key: &str,
+        body_hash: &str,
+        lock_ttl: Duration,
+        wait: Duration,
+        give_up: Option<Instant>,
+        hold: Option<Hold<'_>>,
+    ) -> Result<Begin> {
         let started = Instant::now();
         let deadline = match give_up {
             Some(g) => (started + wait).min(g),
@@ -168,10 +192,13 @@ impl<B: Backend> Store<B> {
             }
             let mut woken = pin!(subscription.notify().notified());
             woken.as_mut().enable();
-            let remaining = match self.backend.try_begin(key, body_hash, &token, lock_ttl).await? {
+            let remaining = match self.backend.try_begin(key, body_hash, &token, lock_ttl, hold).await? {
                 Attempt::Record(bytes, ttl) => return Ok(Begin::Record(bytes, ttl)),
                 Attempt::Mismatch => return Ok(Begin::Mismatch),
                 Attempt::Locked => return Ok(Begin::Locked { token }),
+                Attempt::InDoubt { token, started_ms, running } => {
+                    return Ok(Begin::InDoubt { token, started_ms, running })
+                }
                 Attempt::Held { remaining } => remaining,
             };
             waiting.get_or_insert_with(|| self.metrics.wait());
@@ -212,8 +239,9 @@ impl<B: Backend> Store<B> {
         outcome
     }
 
-    pub async fn release(&self, key: &str, token: &str) -> Result<ReleaseOutcome> {
-        let outcome = self.backend.release(key, token).await;
+    /// Drops the lock `token` owns; unless `in_doubt`, its trace too (see [`crate::backend`]).
+    pub async fn release(&self, key: &str, token: &str, in_doubt: bool) -> Result<ReleaseOutcome> {
+        let outcome = self.backend.release(key, token, in_doubt).await;
         self.waiters.wake(key);
         outcome
     }

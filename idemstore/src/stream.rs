@@ -24,8 +24,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::http;
 use tonic::Status;
 
-use crate::backend::{Backend, BackendError};
-use crate::http::{ceil_millis, give_up_at};
+use crate::backend::{Backend, BackendError, Hold};
+use crate::http::{ceil_millis, give_up_at, running_millis};
 use crate::metrics::{Op as MetricOp, Outcome as MetricOutcome, Rejection, Timer};
 use crate::store::{Begin, Store};
 
@@ -162,11 +162,24 @@ async fn begin<B: Backend>(
     check(store, proto::is_hex64(b.body_hash.as_bytes()), "body_hash must be 64 lowercase hex characters")?;
     check(store, (1..=proto::MAX_LOCK_TTL_MS).contains(&b.lock_ttl_ms), "lock_ttl_ms out of range")?;
     check(store, b.wait_ms <= proto::MAX_WAIT_MS, "wait_ms out of range")?;
+    // As the HTTP headers: with hold, retention_s in range and supersede empty or a token;
+    // without it, retention_s is not read and a supersede is refused.
+    if b.hold {
+        check(store, (1..=proto::MAX_RETENTION_S).contains(&b.retention_s), "retention_s out of range")?;
+        let ok = b.supersede.is_empty() || proto::is_token(b.supersede.as_bytes());
+        check(store, ok, "supersede must be empty or a lock token")?;
+    } else {
+        check(store, b.supersede.is_empty(), "supersede needs hold")?;
+    }
+    let hold = b.hold.then(|| Hold {
+        retention: Duration::from_secs(b.retention_s),
+        supersede: (!b.supersede.is_empty()).then_some(b.supersede.as_str()),
+    });
     let give_up = (b.deadline_ms > 0).then(|| give_up_at(b.deadline_ms));
     let timer = store.metrics().timer(MetricOp::Begin, started);
     let lock_ttl = Duration::from_millis(b.lock_ttl_ms);
     let wait = Duration::from_millis(b.wait_ms);
-    let begun = match store.begin_until(&b.key, &b.body_hash, lock_ttl, wait, give_up).await {
+    let begun = match store.begin_with(&b.key, &b.body_hash, lock_ttl, wait, give_up, hold).await {
         Ok(begun) => begun,
         Err(e) => {
             timer.failed(&e);
@@ -185,6 +198,10 @@ async fn begin<B: Backend>(
         }
         Begin::Mismatch => (proto::BeginOutcome::Mismatch, Begun::default()),
         Begin::Expired => (proto::BeginOutcome::Expired, Begun::default()),
+        Begin::InDoubt { token, started_ms, running } => {
+            let running_ms = running_millis(running);
+            (proto::BeginOutcome::InDoubt, Begun { token, started_ms, running_ms, ..Begun::default() })
+        }
     };
     timer.answered(MetricOutcome::Begin(outcome));
     Ok(Outcome::Begun(Begun { outcome: outcome.as_str().to_string(), ..answer }))
@@ -220,7 +237,11 @@ async fn release<B: Backend>(
     check(store, proto::is_hex64(r.key.as_bytes()), "key must be 64 lowercase hex characters")?;
     check(store, proto::is_token(r.token.as_bytes()), "token must be a lock token")?;
     let timer = store.metrics().timer(MetricOp::Release, started);
-    let outcome = timed(timer, store.release(&r.key, &r.token).await, |o| MetricOutcome::Release(*o))?;
+    if r.in_doubt {
+        store.metrics().in_doubt_release();
+    }
+    let released = store.release(&r.key, &r.token, r.in_doubt).await;
+    let outcome = timed(timer, released, |o| MetricOutcome::Release(*o))?;
     Ok(Outcome::Released(outcome.as_str().to_string()))
 }
 

@@ -1,15 +1,19 @@
-//! `idemstore records ...`: the operator's tools for the bad day a wrong answer was stored.
-//! Look up or delete one store key's record and lock, named by the request it was made for
-//! (subject, method, route, client key: derived as the filter derives it, `idem_protocol::key`)
-//! or by the store key itself or a prefix of it; count the records and locks. Against Redis or
-//! Redis Cluster directly, through the same backend code the service runs, or through a running
-//! idemstore's admin routes ([`crate::admin`]), with its shared secret.
+//! `idemstore records ...`: the operator's tools for the bad day a wrong answer was stored or
+//! an attempt's outcome is unknown. Look up or delete one store key's record, lock and trace,
+//! named by the request it was made for (subject, method, route, client key: derived as the
+//! filter derives it, `idem_protocol::key`) or by the store key itself or a prefix of it;
+//! resolve a key in doubt with the answer the application says it gave; count the records,
+//! locks and keys in doubt. Against Redis or Redis Cluster directly, through the same backend
+//! code the service runs, or through a running idemstore's admin routes ([`crate::admin`]),
+//! with its shared secret.
 //!
-//! Exit status: 0 found (and deleted), 1 nothing found (and nothing deleted), 2 anything else
-//! (a usage error, a store that cannot be reached, a refused secret).
+//! Exit status: 0 found (and deleted, or resolved), 1 nothing found (and nothing deleted; for
+//! `resolve`, a key not in doubt: nothing resolved), 2 anything else (a usage error, a store
+//! that cannot be reached, a refused secret).
 //!
 //! Uses [`crate::admin`] (the lookups, on a backend, and the reports, from the routes),
-//! [`crate::backend`] (Redis) and [`crate::secret`]; never the HTTP server.
+//! [`crate::answer`] (the record `resolve` commits), [`crate::backend`] (Redis) and
+//! [`crate::secret`]; never the HTTP server.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -18,7 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use clap::{Args, Subcommand};
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use idem_protocol as proto;
@@ -26,10 +30,14 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::net::TcpStream;
 
-use crate::admin::{self, CountsReport, DeleteReport, FindReport, KeyReport, LockReport, RecordReport};
+use crate::admin::{
+    self, CountsReport, DeleteReport, FindReport, KeyReport, LockReport, RecordReport, ResolveReport,
+    TraceReport,
+};
+use crate::answer;
 use crate::backend::access::{redact, Access, AccessArgs};
 use crate::backend::redis::RedisBackend;
-use crate::backend::{Backend, BackendError};
+use crate::backend::{now_ms, Backend, BackendError};
 use crate::secret::Secret;
 
 /// How an operator names the request whose record is wrong; shown by `--help`.
@@ -66,7 +74,14 @@ replays them until they expire, without asking the store: after a delete, a retr
 such a worker still replays, until the record's retention runs out or Envoy restarts. Run the
 filter with record_cache_entries: 0 where records may have to be deleted.
 
-Exit status: 0 found (deleted), 1 nothing found (nothing deleted), 2 error.";
+A key is IN DOUBT when an attempt began (with the filter's hold), no answer came back and no
+lock holds the key: the store keeps its trace, and a retry gets 409 (outcome-unknown) until the
+attempt commits late, the trace expires, `records resolve` stores the answer the application
+says it gave (retries then replay it), or `records delete` drops the trace (the next retry
+runs again).
+
+Exit status: 0 found (deleted, resolved), 1 nothing found (nothing deleted; not in doubt,
+nothing resolved), 2 error.";
 
 #[derive(Debug, Subcommand)]
 pub enum Records {
@@ -74,11 +89,16 @@ pub enum Records {
     /// and its lock.
     #[command(after_long_help = KEY_HELP)]
     Lookup(KeyCommand),
-    /// Delete a store key's record and its lock: the next retry of that request runs again.
+    /// Delete a store key's record, its lock and its trace: the next retry of that request runs
+    /// again.
     #[command(after_long_help = KEY_HELP)]
     Delete(KeyCommand),
-    /// Count the records and locks the store holds (Redis: SCAN on every master, never KEYS;
-    /// approximate while keys come and go).
+    /// Resolve a key in doubt (an attempt's trace, no lock, no record) with the answer the
+    /// application says it gave: stored under the attempt's token, retries replay it.
+    #[command(after_long_help = KEY_HELP)]
+    Resolve(ResolveCommand),
+    /// Count the records, locks and keys in doubt the store holds (Redis: SCAN on every master,
+    /// never KEYS; approximate while keys come and go).
     Count(CountCommand),
 }
 
@@ -88,6 +108,27 @@ pub struct KeyCommand {
     pub key: KeyArgs,
     #[command(flatten)]
     pub target: Target,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ResolveCommand {
+    #[command(flatten)]
+    pub key: KeyArgs,
+    #[command(flatten)]
+    pub target: Target,
+    /// The answer's status (200 to 599).
+    #[arg(long, value_name = "N")]
+    pub status: u16,
+    /// A header of the answer, 'name: value' (repeat it for more; at most 64).
+    #[arg(long = "header", value_name = "NAME: VALUE")]
+    pub headers: Vec<String>,
+    /// The answer's body, from this file (content-type: application/json unless a header
+    /// says otherwise).
+    #[arg(long, value_name = "PATH")]
+    pub body_file: Option<PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -218,6 +259,7 @@ pub struct Outcome {
 pub async fn execute(command: &Records, env: impl Fn(&str) -> Option<String>) -> Result<Outcome, Failure> {
     let target = match command {
         Records::Lookup(c) | Records::Delete(c) => &c.target,
+        Records::Resolve(c) => &c.target,
         Records::Count(c) => &c.target,
     };
     let timeout = Duration::from_millis(target.timeout_ms.max(1));
@@ -347,10 +389,12 @@ fn named(args: &KeyArgs) -> Result<Named, Failure> {
     Ok(Named::Key { store_key, derived: Some(derived) })
 }
 
-/// The four operations, whether on a backend or through idemstore's routes.
+/// The five operations, whether on a backend or through idemstore's routes.
 trait Admin {
     async fn lookup(&self, store_key: &str) -> Result<KeyReport, Failure>;
     async fn delete(&self, store_key: &str) -> Result<DeleteReport, Failure>;
+    /// `record` is [`crate::answer::encode`]'s, of `status`.
+    async fn resolve(&self, store_key: &str, record: Bytes, status: u16) -> Result<ResolveReport, Failure>;
     async fn find(&self, prefix: &str) -> Result<FindReport, Failure>;
     async fn counts(&self) -> Result<CountsReport, Failure>;
 }
@@ -373,6 +417,10 @@ impl<B: Backend> Admin for Direct<B> {
 
     async fn delete(&self, store_key: &str) -> Result<DeleteReport, Failure> {
         admin::delete(&self.0, store_key).await.map_err(backend_failure)
+    }
+
+    async fn resolve(&self, store_key: &str, record: Bytes, status: u16) -> Result<ResolveReport, Failure> {
+        admin::resolve(&self.0, store_key, record, status).await.map_err(backend_failure)
     }
 
     async fn find(&self, prefix: &str) -> Result<FindReport, Failure> {
@@ -416,6 +464,15 @@ impl HttpStore {
     }
 
     async fn call<T: DeserializeOwned>(&self, method: Method, path: &str) -> Result<T, Failure> {
+        self.call_with(method, path, Bytes::new()).await
+    }
+
+    async fn call_with<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Bytes,
+    ) -> Result<T, Failure> {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
         let url = format!("{scheme}://{}{}{path}", self.authority, self.base);
         let exchange = async {
@@ -438,7 +495,7 @@ impl HttpStore {
             if let Some(secret) = &self.secret {
                 request = request.header(proto::HEADER_SECRET, secret.as_bytes());
             }
-            let request = request.body(Empty::<Bytes>::new()).map_err(|e| format!("{url}: {e}"))?;
+            let request = request.body(Full::new(body)).map_err(|e| format!("{url}: {e}"))?;
             let response = sender.send_request(request).await.map_err(|e| {
                 // TLS 1.3 refuses a missing client certificate after the handshake: here.
                 let hint = if self.tls.is_some() { " (an idemstore that requires a client certificate refuses a client without one: --url-cert-file)" } else { "" };
@@ -467,7 +524,7 @@ impl HttpStore {
 }
 
 /// An HTTP/1.1 client on `io`, its connection driven in the background.
-async fn handshake<IO>(io: IO) -> hyper::Result<hyper::client::conn::http1::SendRequest<Empty<Bytes>>>
+async fn handshake<IO>(io: IO) -> hyper::Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -521,6 +578,11 @@ impl Admin for HttpStore {
         self.call(Method::DELETE, &format!("{}/{store_key}", admin::PATH_RECORDS)).await
     }
 
+    async fn resolve(&self, store_key: &str, record: Bytes, _status: u16) -> Result<ResolveReport, Failure> {
+        let path = format!("{}/{store_key}/{}", admin::PATH_RECORDS, admin::RESOLVE);
+        self.call_with(Method::POST, &path, record).await
+    }
+
     async fn find(&self, prefix: &str) -> Result<FindReport, Failure> {
         self.call(Method::GET, &format!("{}?prefix={prefix}", admin::PATH_RECORDS)).await
     }
@@ -530,29 +592,60 @@ impl Admin for HttpStore {
     }
 }
 
+/// What a command does with the key it names.
+enum Action<'a> {
+    Lookup,
+    Delete,
+    Resolve(&'a ResolveCommand),
+}
+
+/// The record `resolve` commits: its answer from the flags, encoded as the filter does.
+fn answer_record(c: &ResolveCommand) -> Result<(Bytes, u16), Failure> {
+    let headers = c.headers.iter().map(|h| answer::parse_header(h)).collect::<Result<Vec<_>, _>>()?;
+    let body = match &c.body_file {
+        Some(path) => std::fs::read(path).map_err(|e| format!("--body-file {}: {e}", path.display()))?,
+        None => Vec::new(),
+    };
+    let record = answer::encode(c.status, &headers, &body).map_err(|e| format!("--status/--header: {e}"))?;
+    Ok((Bytes::from(record), c.status))
+}
+
 /// Runs `command` on `admin` and renders its report.
 async fn perform(admin: &impl Admin, command: &Records) -> Result<Outcome, Failure> {
-    let (c, delete) = match command {
-        Records::Lookup(c) => (c, false),
-        Records::Delete(c) => (c, true),
+    let (key, json, action) = match command {
+        Records::Lookup(c) => (&c.key, c.json, Action::Lookup),
+        Records::Delete(c) => (&c.key, c.json, Action::Delete),
+        Records::Resolve(c) => (&c.key, c.json, Action::Resolve(c)),
         Records::Count(c) => {
             let counts = admin.counts().await?;
             let text = if c.json {
                 json_line(&counts)?
             } else {
-                format!("records  {}\nlocks    {}\n", counts.records, counts.locks)
+                format!(
+                    "records   {}\nlocks     {}\nin doubt  {}\n",
+                    counts.records, counts.locks, counts.in_doubt
+                )
             };
             return Ok(Outcome { found: true, text });
         }
     };
-    let (store_key, how) = match named(&c.key)? {
+    // Checked before anything is looked up: a bad answer is a usage error.
+    let answer = match &action {
+        Action::Resolve(c) => Some(answer_record(c)?),
+        _ => None,
+    };
+    let (store_key, how) = match named(key)? {
         Named::Key { store_key, derived } => (store_key, derived.map(|d| format!("derived from {d}"))),
         Named::Prefix(prefix) => {
             let found = admin.find(&prefix).await?;
             match found.store_keys.as_slice() {
-                [] if c.json => return Ok(Outcome { found: false, text: json_line(&found)? }),
+                [] if json => return Ok(Outcome { found: false, text: json_line(&found)? }),
                 [] => {
-                    let also = if delete { ", nothing deleted" } else { "" };
+                    let also = match action {
+                        Action::Lookup => "",
+                        Action::Delete => ", nothing deleted",
+                        Action::Resolve(_) => ", nothing resolved",
+                    };
                     let text = format!("nothing found for store key prefix {prefix}{also}\n");
                     return Ok(Outcome { found: false, text });
                 }
@@ -568,16 +661,24 @@ async fn perform(admin: &impl Admin, command: &Records) -> Result<Outcome, Failu
             }
         }
     };
-    if delete {
-        let report = admin.delete(&store_key).await?;
-        let found = report.deleted_anything();
-        let text = if c.json { json_line(&report)? } else { render_delete(&report, how.as_deref()) };
-        Ok(Outcome { found, text })
-    } else {
-        let report = admin.lookup(&store_key).await?;
-        let found = report.record.is_some() || report.lock.is_some();
-        let text = if c.json { json_line(&report)? } else { render_lookup(&report, how.as_deref()) };
-        Ok(Outcome { found, text })
+    match (action, answer) {
+        (Action::Delete, _) => {
+            let report = admin.delete(&store_key).await?;
+            let found = report.deleted_anything();
+            let text = if json { json_line(&report)? } else { render_delete(&report, how.as_deref()) };
+            Ok(Outcome { found, text })
+        }
+        (Action::Resolve(_), Some((record, status))) => {
+            let report = admin.resolve(&store_key, record, status).await?;
+            let text = if json { json_line(&report)? } else { render_resolve(&report, how.as_deref()) };
+            Ok(Outcome { found: report.resolved, text })
+        }
+        _ => {
+            let report = admin.lookup(&store_key).await?;
+            let found = report.record.is_some() || report.lock.is_some() || report.trace.is_some();
+            let text = if json { json_line(&report)? } else { render_lookup(&report, how.as_deref()) };
+            Ok(Outcome { found, text })
+        }
     }
 }
 
@@ -610,12 +711,66 @@ fn lock_line(l: &LockReport) -> String {
     format!("held, {}", expiry(l.ttl_ms))
 }
 
+/// Milliseconds since the Unix epoch as an RFC 3339 UTC time, `2024-05-06T07:08:09.123Z`.
+fn utc(ms: u64) -> String {
+    let (days, rest) = (ms / 86_400_000, ms % 86_400_000);
+    // Howard Hinnant's civil_from_days, for days since 1970-01-01 (never negative here).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    let (h, m, sec, milli) = (rest / 3_600_000, rest / 60_000 % 60, rest / 1000 % 60, rest % 1000);
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{sec:02}.{milli:03}Z")
+}
+
+fn trace_line(t: &TraceReport) -> String {
+    let ago = now_ms().saturating_sub(t.started_ms);
+    format!(
+        "attempt {}, began {} ({} ago), lock TTL {}, {}\n           request body hash {}",
+        t.token,
+        utc(t.started_ms),
+        duration(ago),
+        duration(t.lock_ttl_ms),
+        expiry(t.ttl_ms),
+        t.body_hash
+    )
+}
+
+/// What a trace means for the key's retries, by what else the key holds.
+fn trace_state(
+    record: Option<&RecordReport>,
+    lock: Option<&LockReport>,
+    trace: Option<&TraceReport>,
+) -> Option<String> {
+    let trace = trace?;
+    Some(match (record, lock) {
+        (None, None) => [
+            "IN DOUBT: the attempt was sent and no answer came back (or its Envoy died), and no",
+            "lock holds the key. A retry gets 409 (outcome-unknown) until the attempt commits late,",
+            "`records resolve` stores the answer it gave (retries replay it), `records delete` drops",
+            "the trace (the next retry runs again) or the trace expires.",
+        ]
+        .join("\n           "),
+        (None, Some(_)) => format!(
+            "running: the attempt holds the lock (it may run until {})",
+            utc(trace.started_ms.saturating_add(trace.lock_ttl_ms))
+        ),
+        (Some(_), _) => "the record answers the key's retries (the trace is left over)".to_owned(),
+    })
+}
+
 fn head(
     text: &mut String,
     store_key: &str,
     how: Option<&str>,
     record: Option<&RecordReport>,
     lock: Option<&LockReport>,
+    trace: Option<&TraceReport>,
 ) {
     let _ = writeln!(text, "store key  {store_key}");
     if let Some(how) = how {
@@ -623,24 +778,60 @@ fn head(
     }
     let _ = writeln!(text, "record     {}", record.map_or_else(|| "none".into(), record_line));
     let _ = writeln!(text, "lock       {}", lock.map_or_else(|| "none".into(), lock_line));
+    let _ = writeln!(text, "trace      {}", trace.map_or_else(|| "none".into(), trace_line));
+    if let Some(state) = trace_state(record, lock, trace) {
+        let _ = writeln!(text, "           {state}");
+    }
 }
 
 fn render_lookup(report: &KeyReport, how: Option<&str>) -> String {
     let mut text = String::new();
-    head(&mut text, &report.store_key, how, report.record.as_ref(), report.lock.as_ref());
-    if report.record.is_none() && report.lock.is_none() {
+    let (record, lock, trace) = (report.record.as_ref(), report.lock.as_ref(), report.trace.as_ref());
+    head(&mut text, &report.store_key, how, record, lock, trace);
+    if record.is_none() && lock.is_none() && trace.is_none() {
         let _ = writeln!(text, "nothing found for store key {}", report.store_key);
     }
     text
 }
 
+fn render_resolve(report: &ResolveReport, how: Option<&str>) -> String {
+    let mut text = String::new();
+    let b = &report.before;
+    head(&mut text, &b.store_key, how, b.record.as_ref(), b.lock.as_ref(), b.trace.as_ref());
+    let why = match (&b.record, &b.lock, &b.trace) {
+        _ if report.resolved => {
+            let _ = writeln!(
+                text,
+                "resolved: committed status {} ({} bytes) under the attempt's token ({}); its retries \
+                 replay it for {}",
+                report.status,
+                report.bytes,
+                report.committed.as_deref().unwrap_or("?"),
+                report.retention_ms.map_or_else(|| "?".to_owned(), duration)
+            );
+            return text;
+        }
+        (Some(_), _, _) => "the key holds a record (`records delete` drops it)",
+        (None, Some(_), _) => "an attempt holds the lock: it is running",
+        (None, None, None) => "nothing found for the store key",
+        (None, None, Some(_)) => "the key changed while it was looked at",
+    };
+    let _ = writeln!(text, "not in doubt: {why}; nothing resolved");
+    text
+}
+
 fn render_delete(report: &DeleteReport, how: Option<&str>) -> String {
     let mut text = String::new();
-    head(&mut text, &report.store_key, how, report.record.as_ref(), report.lock.as_ref());
-    let done: Vec<&str> = [(report.deleted_record, "deleted record"), (report.deleted_lock, "deleted lock")]
-        .into_iter()
-        .filter_map(|(done, what)| done.then_some(what))
-        .collect();
+    let (record, lock, trace) = (report.record.as_ref(), report.lock.as_ref(), report.trace.as_ref());
+    head(&mut text, &report.store_key, how, record, lock, trace);
+    let done: Vec<&str> = [
+        (report.deleted_record, "deleted record"),
+        (report.deleted_lock, "deleted lock"),
+        (report.deleted_trace, "deleted trace"),
+    ]
+    .into_iter()
+    .filter_map(|(done, what)| done.then_some(what))
+    .collect();
     if done.is_empty() {
         let _ = writeln!(text, "nothing found for store key {}, nothing deleted", report.store_key);
     } else {
@@ -778,13 +969,13 @@ mod tests {
     async fn counts_and_locks() {
         let (backend, _) = with_record().await;
         let lock = proto::store_key("id:alice", "POST", "orders", "k-9");
-        let locked = backend.try_begin(&lock, HASH, "t", Duration::from_secs(30)).await.unwrap();
+        let locked = backend.try_begin(&lock, HASH, "t", Duration::from_secs(30), None).await.unwrap();
         assert_eq!(locked, crate::backend::Attempt::Locked);
         let counts = on(&backend, &["count"]).await.unwrap();
-        assert_eq!(counts.text, "records  1\nlocks    1\n");
+        assert_eq!(counts.text, "records   1\nlocks     1\nin doubt  0\n");
         let json: CountsReport =
             serde_json::from_str(&on(&backend, &["count", "--json"]).await.unwrap().text).unwrap();
-        assert_eq!(json, CountsReport { records: 1, locks: 1 });
+        assert_eq!(json, CountsReport { records: 1, locks: 1, in_doubt: 0 });
         let args =
             ["lookup", "--subject", "id:alice", "--method", "POST", "--route", "orders", "--key", "k-9"];
         let lookup = on(&backend, &args).await.unwrap();
@@ -792,6 +983,138 @@ mod tests {
         let mut args = args;
         args[0] = "delete";
         assert!(on(&backend, &args).await.unwrap().text.ends_with("\ndeleted lock\n"));
+    }
+
+    /// A memory backend with the key of (id:bob, POST, orders, k-7) in doubt: an attempt began
+    /// with a hold (token t1, body hash HASH) and was released in doubt.
+    async fn in_doubt() -> (MemoryBackend, String) {
+        use crate::backend::{Attempt, Hold, ReleaseOutcome};
+        let backend = MemoryBackend::new(100);
+        let key = proto::store_key("id:bob", "POST", "orders", "k-7");
+        let hold = Some(Hold { retention: Duration::from_secs(3600), supersede: None });
+        let locked = backend.try_begin(&key, HASH, "t1", Duration::from_secs(30), hold).await;
+        assert_eq!(locked, Ok(Attempt::Locked));
+        assert_eq!(backend.release(&key, "t1", true).await, Ok(ReleaseOutcome::Released));
+        (backend, key)
+    }
+
+    const BOB: [&str; 8] = ["--subject", "id:bob", "--method", "POST", "--route", "orders", "--key", "k-7"];
+
+    #[tokio::test]
+    async fn lookup_count_and_delete_a_key_in_doubt() {
+        let (backend, key) = in_doubt().await;
+        let lookup = on(&backend, &[&["lookup"][..], &BOB].concat()).await.unwrap();
+        assert!(lookup.found);
+        let text = &lookup.text;
+        assert!(text.contains("record     none\nlock       none\ntrace      attempt t1, began 20"), "{text}");
+        assert!(
+            text.contains("lock TTL 30.0s") && text.contains(&format!("request body hash {HASH}")),
+            "{text}"
+        );
+        assert!(text.contains(", expires in 59m"), "{text}");
+        assert!(text.contains("IN DOUBT") && text.contains("409 (outcome-unknown)"), "{text}");
+        let report: KeyReport = serde_json::from_str(
+            &on(&backend, &[&["lookup", "--json"][..], &BOB].concat()).await.unwrap().text,
+        )
+        .unwrap();
+        assert!(report.in_doubt);
+        let trace = report.trace.unwrap();
+        assert_eq!((trace.token.as_str(), trace.lock_ttl_ms, trace.body_hash.as_str()), ("t1", 30_000, HASH));
+
+        assert_eq!(on(&backend, &["count"]).await.unwrap().text, "records   0\nlocks     0\nin doubt  1\n");
+        let by_prefix = on(&backend, &["lookup", "--store-key", &key[..10]]).await.unwrap();
+        assert!(by_prefix.found && by_prefix.text.contains("IN DOUBT"), "a trace alone is found");
+
+        let deleted = on(&backend, &[&["delete"][..], &BOB].concat()).await.unwrap();
+        assert!(deleted.found && deleted.text.ends_with("\ndeleted trace\n"), "{}", deleted.text);
+        assert!(backend.is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_running_attempt_is_not_in_doubt() {
+        use crate::backend::Hold;
+        let backend = MemoryBackend::new(100);
+        let key = proto::store_key("id:bob", "POST", "orders", "k-7");
+        let hold = Some(Hold { retention: Duration::from_secs(3600), supersede: None });
+        backend.try_begin(&key, HASH, "t1", Duration::from_secs(30), hold).await.unwrap();
+        let lookup = on(&backend, &[&["lookup"][..], &BOB].concat()).await.unwrap();
+        assert!(lookup.text.contains("running: the attempt holds the lock"), "{}", lookup.text);
+        assert!(!lookup.text.contains("IN DOUBT"));
+        let resolve = on(&backend, &[&["resolve", "--status", "200"][..], &BOB].concat()).await.unwrap();
+        assert!(!resolve.found, "exit status 1");
+        assert!(resolve
+            .text
+            .ends_with("not in doubt: an attempt holds the lock: it is running; nothing resolved\n"));
+        let nothing =
+            on(&backend, &["resolve", "--status", "200", "--store-key", &"0".repeat(64)]).await.unwrap();
+        assert!(!nothing.found && nothing.text.contains("nothing found for the store key; nothing resolved"));
+    }
+
+    #[tokio::test]
+    async fn resolve_commits_the_answer_under_the_attempts_token() {
+        use crate::backend::{Attempt, Hold};
+        let (backend, key) = in_doubt().await;
+        let dir = std::env::temp_dir().join(format!("idemstore-resolve-{}", crate::store::new_token()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let body = dir.join("body.json");
+        std::fs::write(&body, b"{\"id\":\"ord_7\"}").unwrap();
+        let body = body.to_str().unwrap();
+
+        // A bad answer is a usage error, before anything is looked up or stored.
+        for bad in [
+            &["--status", "99"][..],
+            &["--status", "200", "--header", "no colon"],
+            &["--status", "200", "--header", "set-cookie: a=b"],
+            &["--status", "200", "--body-file", "/nonexistent/body"],
+        ] {
+            let e = on(&backend, &[&["resolve"][..], bad, &BOB].concat()).await.unwrap_err();
+            assert!(e.contains("status") || e.contains("header") || e.contains("--body-file"), "{e}");
+        }
+        let args = [
+            &["resolve", "--status", "201", "--header", "Location: /orders/7", "--body-file", body][..],
+            &BOB,
+        ]
+        .concat();
+        let resolved = on(&backend, &args).await.unwrap();
+        assert!(resolved.found, "{}", resolved.text);
+        assert!(resolved.text.contains("IN DOUBT"), "the key as it was: {}", resolved.text);
+        assert!(
+            resolved
+                .text
+                .contains("resolved: committed status 201 (80 bytes) under the attempt's token (late)"),
+            "{}",
+            resolved.text
+        );
+        // Its retries replay it: the filter's record, under the attempt's body hash.
+        let hold = Some(Hold { retention: Duration::from_secs(60), supersede: None });
+        let expected =
+            answer::encode(201, &[("location".into(), "/orders/7".into())], b"{\"id\":\"ord_7\"}").unwrap();
+        match backend.try_begin(&key, HASH, "t2", Duration::from_secs(30), hold).await.unwrap() {
+            Attempt::Record(bytes, Some(left)) => {
+                assert_eq!(bytes, expected);
+                assert!(left > Duration::from_secs(3500), "the trace's remaining lifetime: {left:?}");
+            }
+            other => panic!("expected the record, got {other:?}"),
+        }
+        let lookup = on(&backend, &[&["lookup"][..], &BOB].concat()).await.unwrap();
+        assert!(
+            lookup.text.contains("record     status 201, 80 bytes")
+                && lookup.text.contains("trace      none")
+        );
+        // Not in doubt any more: nothing resolved, exit status 1.
+        let json =
+            on(&backend, &[&["resolve", "--status", "200", "--json"][..], &BOB].concat()).await.unwrap();
+        let report: ResolveReport = serde_json::from_str(&json.text).unwrap();
+        assert!(!json.found && !report.resolved && report.before.record.is_some());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn utc_times() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(utc(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(utc(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
+        assert_eq!(utc(4_102_444_799_999), "2099-12-31T23:59:59.999Z");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use common::client::{batch_body, serve, serve_store, serve_with, Client, Version
 use hyper::StatusCode;
 use idem_protocol as proto;
 use idemstore::backend::memory::MemoryBackend;
-use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome};
+use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, Hold, ReleaseOutcome};
 use idemstore::http::{Options, SecretCheck};
 use idemstore::secret::Secret;
 use idemstore::store::Store;
@@ -47,13 +47,13 @@ async fn protocol_flow(version: Version) {
     let again = client.commit(&key, &token, &hash, Bytes::from_static(b"later")).await;
     assert_eq!(again.outcome(), "exists");
     assert_eq!(client.begin(&key, &common::hash('b'), "5000").await.outcome(), "mismatch");
-    assert_eq!(client.release(&key, &token).await.outcome(), "not-owner");
+    assert_eq!(client.release(&key, &token, false).await.outcome(), "not-owner");
 
     let other = common::key();
     let token = client.begin(&other, &hash, "5000").await.token();
     let busy = client.begin(&other, &hash, "100").await;
     assert_eq!((busy.status, busy.outcome(), &busy.body[..]), (StatusCode::OK, "busy", &b""[..]));
-    assert_eq!(client.release(&other, &token).await.outcome(), "released");
+    assert_eq!(client.release(&other, &token, false).await.outcome(), "released");
     assert_eq!(client.begin(&other, &hash, "100").await.outcome(), "locked");
 }
 
@@ -137,7 +137,7 @@ async fn bad_requests_get_400() {
         assert!(reply.outcome().is_empty(), "{name}");
     }
 
-    let bad_token = client.release(&key, "not a token").await;
+    let bad_token = client.release(&key, "not a token", false).await;
     assert_eq!(bad_token.status, StatusCode::BAD_REQUEST);
     let commit = [
         (proto::HEADER_KEY, key.as_str()),
@@ -406,7 +406,7 @@ async fn wait_ms_may_be_zero() {
         // Leading zeros are still a number; the maximum is accepted (a free key: no wait).
         assert_eq!(client.begin(&key, &hash, "000").await.outcome(), "busy");
         assert_eq!(client.begin(&common::key(), &hash, &max).await.outcome(), "locked");
-        assert_eq!(client.release(&key, &locked.token()).await.outcome(), "released");
+        assert_eq!(client.release(&key, &locked.token(), false).await.outcome(), "released");
     }
 }
 
@@ -489,7 +489,7 @@ async fn a_begin_past_its_deadline_takes_no_lock() {
         assert!(took >= Duration::from_millis(250) && took < Duration::from_secs(2), "{took:?}");
         // Without the header, nothing changes.
         assert_eq!(client.begin(&key, &hash, "0").await.outcome(), "busy");
-        assert_eq!(client.release(&key, &locked.token()).await.outcome(), "released");
+        assert_eq!(client.release(&key, &locked.token(), false).await.outcome(), "released");
     }
 }
 
@@ -580,7 +580,14 @@ struct Rendezvous {
 }
 
 impl Backend for Rendezvous {
-    async fn try_begin(&self, _: &str, _: &str, _: &str, _: Duration) -> idemstore::backend::Result<Attempt> {
+    async fn try_begin(
+        &self,
+        _: &str,
+        _: &str,
+        _: &str,
+        _: Duration,
+        _: Option<Hold<'_>>,
+    ) -> idemstore::backend::Result<Attempt> {
         Ok(Attempt::Locked)
     }
 
@@ -603,7 +610,7 @@ impl Backend for Rendezvous {
         }
     }
 
-    async fn release(&self, _: &str, _: &str) -> idemstore::backend::Result<ReleaseOutcome> {
+    async fn release(&self, _: &str, _: &str, _: bool) -> idemstore::backend::Result<ReleaseOutcome> {
         Ok(ReleaseOutcome::Released)
     }
 
@@ -674,7 +681,7 @@ async fn admin_routes(version: Version) {
     assert_eq!((found.store_keys, found.truncated), (vec![key.clone()], false));
     let counts: CountsReport =
         serde_json::from_slice(&json(right.call("GET", PATH_COUNTS, &[], Bytes::new()).await)).unwrap();
-    assert_eq!(counts, CountsReport { records: 1, locks: 0 });
+    assert_eq!(counts, CountsReport { records: 1, locks: 0, in_doubt: 0 });
 
     // Malformed store keys and prefixes: 400, before the backend.
     for bad in [&key[..63], &key.to_uppercase(), &format!("{}g", &key[..63]), &format!("{key}0"), "x"] {
@@ -785,6 +792,253 @@ async fn records_command_over_http() {
     assert!(!again.found && again.text.contains("nothing deleted"), "{}", again.text);
     let counts =
         execute(&Cli::parse_from(["records", "count", "--url", &url]).records, env_secret).await.unwrap();
-    assert_eq!(counts.text, "records  0\nlocks    0\n");
+    assert_eq!(counts.text, "records   0\nlocks     0\nin doubt  0\n");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Attempts whose outcome is unknown, over HTTP: `x-idem-hold` leaves a trace, an in-doubt
+/// release (`x-idem-in-doubt: 1`) keeps it, the next `begin` with a hold answers `in-doubt`
+/// with the first attempt's token, start and running time; a wrong supersede changes nothing,
+/// the right one locks again; the attempt's plain release clears the trace.
+async fn in_doubt_flow(version: Version) {
+    let backend = MemoryBackend::new(1000);
+    let addr = serve_with(backend.clone(), Options::new(1024)).await;
+    let client = Client::new(addr, version).await;
+    let (key, hash) = (common::key(), common::hash('a'));
+    let before = idemstore::backend::now_ms();
+    let locked = client.begin_hold(&key, &hash, "30000", "60", None).await;
+    assert_eq!(locked.outcome(), "locked");
+    let first = locked.token();
+    assert_eq!(client.release(&key, &first, true).await.outcome(), "released");
+
+    let doubt = client.begin_hold(&key, &hash, "30000", "60", None).await;
+    assert_eq!((doubt.status, doubt.outcome(), &doubt.body[..]), (StatusCode::OK, "in-doubt", &b""[..]));
+    assert_eq!(doubt.token(), first);
+    let number = |name: &str| -> u64 { doubt.headers[name].to_str().unwrap().parse().unwrap() };
+    let started = number(proto::HEADER_STARTED_MS);
+    assert!(started >= before && started <= idemstore::backend::now_ms(), "{started}");
+    let running = number(proto::HEADER_RUNNING_MS);
+    assert!(running > 29_000 && running <= 30_000, "{running}");
+    assert!(doubt.lock_remaining().is_none());
+    // Another body: mismatch. Without a hold: the trace is not read, the key locks.
+    let other = client.begin_hold(&key, &common::hash('b'), "30000", "60", None).await;
+    assert_eq!(other.outcome(), "mismatch");
+
+    let wrong = client.begin_hold(&key, &hash, "30000", "60", Some("not-the-token")).await;
+    assert_eq!((wrong.outcome(), wrong.token()), ("in-doubt", first.clone()));
+    let again = client.begin_hold(&key, &hash, "30000", "60", Some(&first)).await;
+    assert_eq!(again.outcome(), "locked");
+    let second = again.token();
+    assert_ne!(second, first);
+    assert_eq!(client.release(&key, &second, false).await.outcome(), "released");
+    assert!(backend.is_empty(), "a plain release leaves no trace");
+    assert_eq!(client.begin(&key, &hash, "0").await.outcome(), "locked");
+}
+
+#[tokio::test]
+async fn in_doubt_over_http1() {
+    in_doubt_flow(Version::H1).await;
+}
+
+#[tokio::test]
+async fn in_doubt_over_h2c() {
+    in_doubt_flow(Version::H2c).await;
+}
+
+/// `x-idem-hold` and `x-idem-in-doubt` are `0` or `1`, at most once; with `x-idem-hold: 1`,
+/// `x-idem-retention-s` is required (1 to the maximum) and `x-idem-supersede`, if given, a
+/// token; a supersede without a hold is refused. Each a `400` naming the header, before the
+/// backend.
+#[tokio::test]
+async fn hold_and_in_doubt_headers_are_validated() {
+    let backend = MemoryBackend::new(1000);
+    let addr = serve_with(backend.clone(), Options::new(1024)).await;
+    let client = Client::new(addr, Version::H2c).await;
+    let (key, hash) = (common::key(), common::hash('a'));
+    let base = begin_headers(&key, &hash);
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut headers = base.clone();
+        headers.extend_from_slice(extra);
+        headers
+    };
+    let retention_max = Box::leak((proto::MAX_RETENTION_S + 1).to_string().into_boxed_str());
+    let long_token = Box::leak("t".repeat(proto::MAX_TOKEN_LEN + 1).into_boxed_str());
+    let (hold, retention, supersede) =
+        (proto::HEADER_HOLD, proto::HEADER_RETENTION_S, proto::HEADER_SUPERSEDE);
+    let cases: Vec<(&str, Vec<(&str, &str)>)> = vec![
+        (hold, with(&[(hold, "")])),
+        (hold, with(&[(hold, "2")])),
+        (hold, with(&[(hold, "true")])),
+        (hold, with(&[(hold, " 1")])),
+        (hold, with(&[(hold, "01")])),
+        (hold, with(&[(hold, "1"), (hold, "1"), (retention, "60")])),
+        (retention, with(&[(hold, "1")])),
+        (retention, with(&[(hold, "1"), (retention, "0")])),
+        (retention, with(&[(hold, "1"), (retention, retention_max)])),
+        (retention, with(&[(hold, "1"), (retention, "x")])),
+        (retention, with(&[(hold, "1"), (retention, "60"), (retention, "60")])),
+        (supersede, with(&[(hold, "1"), (retention, "60"), (supersede, "")])),
+        (supersede, with(&[(hold, "1"), (retention, "60"), (supersede, "a b")])),
+        (supersede, with(&[(hold, "1"), (retention, "60"), (supersede, long_token)])),
+        (supersede, with(&[(hold, "1"), (retention, "60"), (supersede, "t"), (supersede, "t")])),
+        (supersede, with(&[(supersede, "tok")])),
+        (supersede, with(&[(hold, "0"), (supersede, "tok")])),
+    ];
+    for (field, headers) in &cases {
+        let reply = client.call("POST", proto::PATH_BEGIN, headers, Bytes::new()).await;
+        let text = String::from_utf8_lossy(&reply.body);
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{headers:?}: {text}");
+        assert!(text.contains(field), "{headers:?}: the answer must name {field}: {text}");
+    }
+    let release = |value: &'static str| {
+        vec![(proto::HEADER_KEY, key.as_str()), (proto::HEADER_TOKEN, "tok"), (proto::HEADER_IN_DOUBT, value)]
+    };
+    for bad in ["", "2", "yes", "1 "] {
+        let reply = client.call("POST", proto::PATH_RELEASE, &release(bad), Bytes::new()).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad:?}");
+        assert!(String::from_utf8_lossy(&reply.body).contains(proto::HEADER_IN_DOUBT));
+    }
+    let mut twice = release("1");
+    twice.push((proto::HEADER_IN_DOUBT, "1"));
+    assert_eq!(
+        client.call("POST", proto::PATH_RELEASE, &twice, Bytes::new()).await.status,
+        StatusCode::BAD_REQUEST
+    );
+    assert!(backend.is_empty(), "an invalid request reached the backend");
+
+    // The control: hold 0 (retention not read), hold 1 with a retention, in-doubt 0 and 1.
+    let plain =
+        client.call("POST", proto::PATH_BEGIN, &with(&[(hold, "0"), (retention, "x")]), Bytes::new()).await;
+    assert_eq!(plain.outcome(), "locked");
+    assert_eq!(
+        client.call("POST", proto::PATH_RELEASE, &release("0"), Bytes::new()).await.outcome(),
+        "not-owner"
+    );
+    let other = common::key();
+    let headers = [
+        (proto::HEADER_KEY, other.as_str()),
+        (proto::HEADER_BODY_HASH, hash.as_str()),
+        (proto::HEADER_LOCK_TTL_MS, "30000"),
+        (proto::HEADER_WAIT_MS, "0"),
+        (hold, "1"),
+        (retention, "604800"),
+        (supersede, "some-token_1"),
+    ];
+    let held = client.call("POST", proto::PATH_BEGIN, &headers, Bytes::new()).await;
+    assert_eq!(held.outcome(), "locked");
+    let token = held.token();
+    let release_in_doubt = [
+        (proto::HEADER_KEY, other.as_str()),
+        (proto::HEADER_TOKEN, token.as_str()),
+        (proto::HEADER_IN_DOUBT, "1"),
+    ];
+    assert_eq!(
+        client.call("POST", proto::PATH_RELEASE, &release_in_doubt, Bytes::new()).await.outcome(),
+        "released"
+    );
+}
+
+/// `POST /v1/admin/records/<key>/resolve`: behind the secret, a store key and a record the
+/// filter can replay (else `400`, nothing done); commits for a key in doubt, reports anything
+/// else as it is.
+#[tokio::test]
+async fn resolve_route() {
+    use idemstore::admin::{ResolveReport, PATH_RECORDS, RESOLVE};
+    use idemstore::backend::Hold;
+    let backend = MemoryBackend::new(1000);
+    let options = Options::new(1024).with_secret(Secret::new(SECRET).unwrap());
+    let addr = serve_with(backend.clone(), options).await;
+    let bare = Client::new(addr, Version::H1).await;
+    let right = bare.with_secret(Some(SECRET));
+    let (key, hash) = (common::key(), common::hash('a'));
+    let hold = Some(Hold { retention: Duration::from_secs(60), supersede: None });
+    assert_eq!(backend.try_begin(&key, &hash, "t1", common::TTL, hold).await, Ok(Attempt::Locked));
+    let path = format!("{PATH_RECORDS}/{key}/{RESOLVE}");
+    let record = Bytes::from(idemstore::answer::encode(201, &[], b"{\"id\":1}").unwrap());
+
+    let refused = bare.call("POST", &path, &[], record.clone()).await;
+    assert_eq!(refused.status, StatusCode::UNAUTHORIZED);
+    for bad in [&b""[..], b"IDR2\x00\xc9\x04\x00\x00", b"not a record", b"IDR2\x00\x64\x00\x00\x00"] {
+        let reply = right.call("POST", &path, &[], Bytes::from_static(bad)).await;
+        assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{bad:?}");
+        assert!(String::from_utf8_lossy(&reply.body).contains("record"), "{bad:?}");
+    }
+    let bad_key = format!("{PATH_RECORDS}/{}/{RESOLVE}", key.to_uppercase());
+    assert_eq!(right.call("POST", &bad_key, &[], record.clone()).await.status, StatusCode::BAD_REQUEST);
+    let big = right.call("POST", &path, &[], Bytes::from(vec![b'x'; 2048])).await;
+    assert_eq!(big.status, StatusCode::PAYLOAD_TOO_LARGE);
+
+    // Running (a lock): not resolved.
+    let reply = right.call("POST", &path, &[], record.clone()).await;
+    let report: ResolveReport = serde_json::from_slice(&reply.body).unwrap();
+    assert!(!report.resolved && report.before.lock.is_some() && report.committed.is_none(), "{report:?}");
+    // In doubt: resolved, the record replays under the first attempt's body hash.
+    assert_eq!(backend.release(&key, "t1", true).await, Ok(ReleaseOutcome::Released));
+    let reply = right.call("POST", &path, &[], record.clone()).await;
+    let report: ResolveReport = serde_json::from_slice(&reply.body).unwrap();
+    assert!(report.resolved && report.before.in_doubt, "{report:?}");
+    assert_eq!((report.committed.as_deref(), report.status, report.bytes), (Some("late"), 201, record.len()));
+    let retention = report.retention_ms.unwrap();
+    assert!(retention > 55_000 && retention <= 60_000, "the trace's remaining lifetime: {retention}");
+    match backend.try_begin(&key, &hash, "t2", common::TTL, hold).await.unwrap() {
+        Attempt::Record(bytes, _) => assert_eq!(bytes, record),
+        other => panic!("expected the record, got {other:?}"),
+    }
+    // Now a record: not resolved again.
+    let reply = right.call("POST", &path, &[], record).await;
+    let report: ResolveReport = serde_json::from_slice(&reply.body).unwrap();
+    assert!(!report.resolved && report.before.record.is_some());
+}
+
+/// `idemstore records resolve --url`: the record goes to the admin route in the body; a key in
+/// doubt is resolved (exit 0), then is not (exit 1); `lookup` and `count` show it in doubt.
+#[tokio::test]
+async fn resolve_command_over_http() {
+    use clap::Parser;
+    use idemstore::backend::Hold;
+    use idemstore::tools::{execute, Records};
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        records: Records,
+    }
+    let backend = MemoryBackend::new(1000);
+    let options = Options::new(4096).with_secret(Secret::new(SECRET).unwrap());
+    let addr = serve_with(backend.clone(), options).await;
+    let key = idem_protocol::store_key("id:bob", "PUT", "orders", "k-8");
+    let hash = common::hash('a');
+    let hold = Some(Hold { retention: Duration::from_secs(600), supersede: None });
+    assert_eq!(backend.try_begin(&key, &hash, "t1", common::TTL, hold).await, Ok(Attempt::Locked));
+    assert_eq!(backend.release(&key, "t1", true).await, Ok(ReleaseOutcome::Released));
+    let url = format!("http://{addr}");
+    let env_secret = |name: &str| (name == "IDEMSTORE_SECRET").then(|| SECRET.to_owned());
+    let run = |args: &[&str]| {
+        let mut all = vec!["records", args[0], "--url", &url, "--store-key", &key];
+        all.extend_from_slice(&args[1..]);
+        Cli::parse_from(all).records
+    };
+
+    let lookup = execute(&run(&["lookup"]), env_secret).await.unwrap();
+    assert!(lookup.found && lookup.text.contains("IN DOUBT"), "{}", lookup.text);
+    let counts =
+        execute(&Cli::parse_from(["records", "count", "--url", &url]).records, env_secret).await.unwrap();
+    assert_eq!(counts.text, "records   0\nlocks     0\nin doubt  1\n");
+
+    let resolved = execute(
+        &run(&["resolve", "--status", "409", "--header", "content-type: application/problem+json"]),
+        env_secret,
+    )
+    .await
+    .unwrap();
+    assert!(resolved.found && resolved.text.contains("resolved: committed status 409"), "{}", resolved.text);
+    match backend.try_begin(&key, &hash, "t2", common::TTL, hold).await.unwrap() {
+        Attempt::Record(bytes, _) => assert_eq!(idemstore::backend::record_status(&bytes), Some(409)),
+        other => panic!("expected the record, got {other:?}"),
+    }
+    let again = execute(&run(&["resolve", "--status", "200"]), env_secret).await.unwrap();
+    assert!(!again.found && again.text.contains("not in doubt: the key holds a record"), "{}", again.text);
+    // Without the secret: refused, nothing done.
+    let e = execute(&run(&["resolve", "--status", "200"]), |_| None).await.unwrap_err();
+    assert!(e.contains("(401)"), "{e}");
 }

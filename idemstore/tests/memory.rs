@@ -6,6 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::in_doubt;
 use idemstore::backend::memory::MemoryBackend;
 use idemstore::store::Store;
 
@@ -93,4 +94,59 @@ async fn stop_waiting_answers_busy() {
 #[tokio::test]
 async fn operator_tools() {
     common::operator_tools(&MemoryBackend::new(1000), 5).await;
+}
+
+#[tokio::test]
+async fn hold_writes_a_trace() {
+    in_doubt::hold_writes_a_trace(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_after_an_in_doubt_release() {
+    in_doubt::in_doubt_after_an_in_doubt_release(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_after_the_lock_expires() {
+    in_doubt::in_doubt_after_the_lock_expires(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_another_body_is_a_mismatch() {
+    in_doubt::another_body_is_a_mismatch(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_without_hold_the_trace_is_ignored() {
+    in_doubt::without_hold_the_trace_is_ignored(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_supersede() {
+    in_doubt::supersede(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_late_commit_resolves() {
+    in_doubt::late_commit_resolves(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_release_not_in_doubt_clears_the_trace() {
+    in_doubt::release_not_in_doubt_clears_the_trace(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_delete_clears_the_trace() {
+    in_doubt::delete_clears_the_trace(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_counted_and_found() {
+    in_doubt::counted_and_found(&MemoryBackend::new(1000)).await;
+}
+
+#[tokio::test]
+async fn in_doubt_waiter_woken_by_an_in_doubt_release() {
+    in_doubt::waiter_woken_by_an_in_doubt_release(common::no_recheck(MemoryBackend::new(1000))).await;
 }

@@ -100,7 +100,7 @@ fn record(len: usize) -> Bytes {
 
 async fn begin_and_commit(backend: &MemoryBackend, i: usize, record: Bytes) -> Result<(), BackendError> {
     let key = key(i);
-    assert_eq!(backend.try_begin(&key, HASH, TOKEN, TTL).await?, Attempt::Locked);
+    assert_eq!(backend.try_begin(&key, HASH, TOKEN, TTL, None).await?, Attempt::Locked);
     assert_eq!(backend.commit(&key, TOKEN, HASH, record, DAY).await?, CommitOutcome::Stored);
     Ok(())
 }
@@ -146,7 +146,7 @@ async fn a_million_unique_keys() {
     // The flood goes on: every new key is refused, and the heap does not move.
     let started = Instant::now();
     for i in KEYS..KEYS + FLOOD {
-        let refused = backend.try_begin(&key(i), HASH, TOKEN, TTL).await;
+        let refused = backend.try_begin(&key(i), HASH, TOKEN, TTL, None).await;
         assert_eq!(refused, Err(BackendError::Full));
     }
     let flooded = started.elapsed();
@@ -156,7 +156,7 @@ async fn a_million_unique_keys() {
     assert!(after <= live + 64 * 1024, "refused keys took memory: {live} -> {after}");
     assert!(peak <= BOUND);
     // Stored keys are still served while full.
-    let replay = backend.try_begin(&key(0), HASH, TOKEN, TTL).await.unwrap();
+    let replay = backend.try_begin(&key(0), HASH, TOKEN, TTL, None).await.unwrap();
     assert!(matches!(replay, Attempt::Record(bytes, Some(_)) if bytes == record(RECORD)));
 
     drop(backend);
@@ -190,7 +190,7 @@ async fn byte_budget() {
     assert!(backend.accounted_bytes() <= BUDGET);
     assert!(live <= BUDGET, "live {live} > budget {BUDGET}");
     // A refused commit left its lock alone: its owner can release it (the filter does).
-    assert!(matches!(backend.try_begin(&key(999), HASH, "other", TTL).await, Ok(Attempt::Held { .. })));
+    assert!(matches!(backend.try_begin(&key(999), HASH, "other", TTL, None).await, Ok(Attempt::Held { .. })));
     drop(backend);
 
     let base = baseline();

@@ -13,7 +13,7 @@ use common::client::{batch_body, serve_store, serve_with, Client, Version};
 use hyper::StatusCode;
 use idem_protocol as proto;
 use idemstore::backend::memory::{MemoryBackend, ENTRY_COST};
-use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, ReleaseOutcome, Result};
+use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, Hold, ReleaseOutcome, Result};
 use idemstore::http::{Options, SecretCheck, PATH_METRICS};
 use idemstore::secret::Secret;
 use idemstore::store::Store;
@@ -119,7 +119,7 @@ async fn scrape(addr: SocketAddr) -> Scrape {
 }
 
 const OUTCOMES: [(&str, &[&str]); 3] = [
-    ("begin", &["locked", "record", "mismatch", "busy", "expired", "error", "cancelled"]),
+    ("begin", &["locked", "record", "mismatch", "busy", "expired", "in-doubt", "error", "cancelled"]),
     ("commit", &["stored", "late", "exists", "error", "cancelled"]),
     ("release", &["released", "not-owner", "error", "cancelled"]),
 ];
@@ -139,7 +139,8 @@ async fn counts_each_operation(version: Version) {
         }
         assert_eq!(before.histogram_count("idemstore_request_duration_seconds", &[("op", op)]), 0.0);
     }
-    assert_eq!(before.all("idemstore_requests_total").len(), 16);
+    assert_eq!(before.all("idemstore_requests_total").len(), 17);
+    assert_eq!(before.get("idemstore_in_doubt_releases_total", &[]), 0.0);
 
     let (key, hash, other_hash) = (common::key(), common::hash('a'), common::hash('b'));
     let locked = client.begin(&key, &hash, "5000").await;
@@ -149,25 +150,30 @@ async fn counts_each_operation(version: Version) {
     assert_eq!(client.begin(&key, &hash, "5000").await.outcome(), "record");
     assert_eq!(client.begin(&key, &other_hash, "5000").await.outcome(), "mismatch");
     assert_eq!(client.commit(&key, &token, &hash, Bytes::from_static(b"again")).await.outcome(), "exists");
-    assert_eq!(client.release(&key, &token).await.outcome(), "not-owner");
+    assert_eq!(client.release(&key, &token, false).await.outcome(), "not-owner");
 
     let held = common::key();
     let holder = client.begin(&held, &hash, "5000").await.token();
     let waited = Instant::now();
     assert_eq!(client.begin(&held, &hash, "100").await.outcome(), "busy");
     let waited = waited.elapsed();
-    assert_eq!(client.release(&held, &holder).await.outcome(), "released");
+    assert_eq!(client.release(&held, &holder, false).await.outcome(), "released");
     assert_eq!(
         client.commit(&common::key(), "nolock", &hash, Bytes::from_static(b"x")).await.outcome(),
         "late"
     );
+    // An attempt sent and never answered: its release keeps the trace, a retry is in doubt.
+    let doubt = common::key();
+    let first = client.begin_hold(&doubt, &hash, "30000", "60", None).await.token();
+    assert_eq!(client.release(&doubt, &first, true).await.outcome(), "released");
+    assert_eq!(client.begin_hold(&doubt, &hash, "30000", "60", None).await.outcome(), "in-doubt");
 
     // Refused before the backend: 3 invalid, 2 too large. Routing misses count nowhere.
     let missing_key = [(proto::HEADER_BODY_HASH, hash.as_str()), (proto::HEADER_WAIT_MS, "1")];
     let reply = client.call("POST", proto::PATH_BEGIN, &missing_key, Bytes::new()).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert_eq!(client.commit(&key, &token, &hash, Bytes::new()).await.status, StatusCode::BAD_REQUEST);
-    assert_eq!(client.release(&key, "not a token").await.status, StatusCode::BAD_REQUEST);
+    assert_eq!(client.release(&key, "not a token", false).await.status, StatusCode::BAD_REQUEST);
     let big = client.commit(&key, &token, &hash, Bytes::from(vec![b'x'; 1025])).await;
     assert_eq!(big.status, StatusCode::PAYLOAD_TOO_LARGE);
     let begin = [
@@ -186,11 +192,12 @@ async fn counts_each_operation(version: Version) {
     assert_eq!(client.call("GET", proto::PATH_HEALTH, &[], Bytes::new()).await.status, StatusCode::OK);
 
     let after = scrape_with(&client).await;
-    let expected: [(&str, &str, f64); 15] = [
-        ("begin", "locked", 2.0),
+    let expected: [(&str, &str, f64); 16] = [
+        ("begin", "locked", 3.0),
         ("begin", "record", 1.0),
         ("begin", "mismatch", 1.0),
         ("begin", "busy", 1.0),
+        ("begin", "in-doubt", 1.0),
         ("begin", "error", 0.0),
         ("begin", "cancelled", 0.0),
         ("commit", "stored", 1.0),
@@ -198,7 +205,7 @@ async fn counts_each_operation(version: Version) {
         ("commit", "exists", 1.0),
         ("commit", "error", 0.0),
         ("commit", "cancelled", 0.0),
-        ("release", "released", 1.0),
+        ("release", "released", 2.0),
         ("release", "not-owner", 1.0),
         ("release", "error", 0.0),
         ("release", "cancelled", 0.0),
@@ -207,7 +214,8 @@ async fn counts_each_operation(version: Version) {
         assert_eq!(after.requests(op, outcome), n, "{op} {outcome}");
     }
     // Each answered operation observed exactly once in its duration histogram.
-    for (op, n) in [("begin", 5.0), ("commit", 3.0), ("release", 2.0)] {
+    assert_eq!(after.get("idemstore_in_doubt_releases_total", &[]), 1.0);
+    for (op, n) in [("begin", 7.0), ("commit", 3.0), ("release", 3.0)] {
         assert_eq!(after.requests_of(op), n, "{op}");
         assert_eq!(after.histogram_count("idemstore_request_duration_seconds", &[("op", op)]), n, "{op}");
     }
@@ -265,7 +273,7 @@ async fn metrics_need_no_secret_and_count_refusals() {
 
     assert_eq!(bare.begin(&key, &hash, "1").await.status, StatusCode::UNAUTHORIZED);
     let wrong = bare.with_secret(Some("wrong"));
-    assert_eq!(wrong.release(&key, "tok").await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(wrong.release(&key, "tok", false).await.status, StatusCode::UNAUTHORIZED);
     assert_eq!(bare.call("GET", "/v1/nope", &[], Bytes::new()).await.status, StatusCode::UNAUTHORIZED);
     assert_eq!(right.begin(&key, &hash, "1").await.outcome(), "locked");
 
@@ -283,7 +291,14 @@ async fn metrics_need_no_secret_and_count_refusals() {
 struct Down;
 
 impl Backend for Down {
-    async fn try_begin(&self, _: &str, _: &str, _: &str, _: Duration) -> Result<Attempt> {
+    async fn try_begin(
+        &self,
+        _: &str,
+        _: &str,
+        _: &str,
+        _: Duration,
+        _: Option<Hold<'_>>,
+    ) -> Result<Attempt> {
         Err(BackendError::Unavailable("down".into()))
     }
 
@@ -291,7 +306,7 @@ impl Backend for Down {
         Err(BackendError::Unavailable("down".into()))
     }
 
-    async fn release(&self, _: &str, _: &str) -> Result<ReleaseOutcome> {
+    async fn release(&self, _: &str, _: &str, _: bool) -> Result<ReleaseOutcome> {
         Err(BackendError::Unavailable("down".into()))
     }
 
@@ -309,7 +324,7 @@ async fn backend_failures_are_errors_by_reason() {
     assert_eq!(client.begin(&key, &hash, "1").await.status, StatusCode::SERVICE_UNAVAILABLE);
     let commit = client.commit(&key, "tok", &hash, Bytes::from_static(b"rec")).await;
     assert_eq!(commit.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(client.release(&key, "tok").await.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(client.release(&key, "tok", false).await.status, StatusCode::SERVICE_UNAVAILABLE);
 
     let scrape = scrape_with(&client).await;
     for (op, n) in [("begin", 2.0), ("commit", 1.0), ("release", 1.0)] {
@@ -376,7 +391,7 @@ async fn waiting_then_cancelled_begin() {
     assert_eq!(after.histogram_count("idemstore_request_duration_seconds", &[("op", "begin")]), 2.0);
 
     // The lock is still the holder's, and works as usual.
-    assert_eq!(client.release(&key, &token).await.outcome(), "released");
+    assert_eq!(client.release(&key, &token, false).await.outcome(), "released");
     assert_eq!(scrape(addr).await.requests("release", "released"), 1.0);
 }
 

@@ -358,7 +358,7 @@ async fn frozen_redis_times_out() {
     let pid = redis.child.id().to_string();
     assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
     let started = Instant::now();
-    let attempt = backend.try_begin(&common::key(), &common::hash('a'), "t", common::TTL).await;
+    let attempt = backend.try_begin(&common::key(), &common::hash('a'), "t", common::TTL, None).await;
     let took = started.elapsed();
     assert!(Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
     assert!(attempt.is_err());
@@ -453,16 +453,16 @@ async fn scripts_publish_the_key_on_change_when_waited_on() {
     let token = common::lock(&store, &unwatched_commit).await;
     store.commit(&unwatched_commit, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
     let token = common::lock(&store, &unwatched_release).await;
-    assert_eq!(store.release(&unwatched_release, &token).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(store.release(&unwatched_release, &token, false).await.unwrap(), ReleaseOutcome::Released);
 
     let token = common::lock(&store, &committed).await;
     wait_on(committed.clone()).await;
     store.commit(&committed, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
     let token = common::lock(&store, &released).await;
     wait_on(released.clone()).await;
-    assert_eq!(store.release(&released, "not-the-owner").await.unwrap(), ReleaseOutcome::NotOwner);
-    assert_eq!(store.release(&released, &token).await.unwrap(), ReleaseOutcome::Released);
-    assert_eq!(store.release(&released, &token).await.unwrap(), ReleaseOutcome::NotOwner);
+    assert_eq!(store.release(&released, "not-the-owner", false).await.unwrap(), ReleaseOutcome::NotOwner);
+    assert_eq!(store.release(&released, &token, false).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(store.release(&released, &token, false).await.unwrap(), ReleaseOutcome::NotOwner);
     // A record stored without owning the lock (late) wakes; a second commit that changes
     // nothing does not.
     let _held = common::lock(&store, &late).await;
@@ -565,4 +565,62 @@ async fn records_command_on_redis() {
     let again = run("delete").await;
     assert!(!again.found && again.text.contains("\"deleted_record\":false"), "{}", again.text);
     assert!(!run("lookup").await.found);
+}
+
+/// Attempts whose outcome is unknown: every scenario of `common::in_doubt` on one server (the
+/// scripts' traces, `TIME` for their start).
+#[tokio::test]
+async fn in_doubt_scenarios() {
+    let redis = RedisServer::start().await;
+    let backend = redis.backend();
+    common::in_doubt::hold_writes_a_trace(&backend).await;
+    common::in_doubt::in_doubt_after_an_in_doubt_release(&backend).await;
+    common::in_doubt::in_doubt_after_the_lock_expires(&backend).await;
+    common::in_doubt::another_body_is_a_mismatch(&backend).await;
+    common::in_doubt::without_hold_the_trace_is_ignored(&backend).await;
+    common::in_doubt::supersede(&backend).await;
+    common::in_doubt::late_commit_resolves(&backend).await;
+    common::in_doubt::release_not_in_doubt_clears_the_trace(&backend).await;
+    common::in_doubt::delete_clears_the_trace(&backend).await;
+    common::in_doubt::counted_and_found(&backend).await;
+}
+
+/// An in-doubt release wakes a waiter on another instance: it gets `in-doubt` at once.
+#[tokio::test]
+async fn in_doubt_waiter_woken_by_an_in_doubt_release() {
+    let redis = RedisServer::start().await;
+    let (one, _) = redis.two_instances().await;
+    common::in_doubt::waiter_woken_by_an_in_doubt_release(one).await;
+}
+
+/// The trace's Redis key: `idem:{<key>}:t` (the same hash tag), `<token> <started ms> <lock
+/// TTL ms> <body hash>`, with a PTTL of max(retention, lock TTL).
+#[tokio::test]
+async fn the_trace_is_one_more_key_in_the_slot() {
+    let redis = RedisServer::start().await;
+    let backend = redis.backend();
+    let key = common::key();
+    let hold = common::in_doubt::hold();
+    let locked = backend.try_begin(&key, &common::hash('a'), "tok-1", Duration::from_secs(30), hold).await;
+    assert_eq!(locked, Ok(idemstore::backend::Attempt::Locked));
+    let mut conn = redis.conn().await;
+    let name = format!("idem:{{{key}}}:t");
+    let value: String = redis::cmd("GET").arg(&name).query_async(&mut conn).await.unwrap();
+    let parts: Vec<&str> = value.split(' ').collect();
+    assert_eq!(
+        (parts.len(), parts[0], parts[2], parts[3]),
+        (4, "tok-1", "30000", common::hash('a').as_str())
+    );
+    let started: u64 = parts[1].parse().unwrap();
+    assert!(started.abs_diff(idemstore::backend::now_ms()) < 5_000, "{started}");
+    let pttl: i64 = redis::cmd("PTTL").arg(&name).query_async(&mut conn).await.unwrap();
+    assert!(pttl > 55_000 && pttl <= 60_000, "{pttl}");
+    // Set by hand to something else: ignored, and overwritten by the next attempt.
+    let _: () = redis::cmd("SET").arg(&name).arg("garbage").query_async(&mut conn).await.unwrap();
+    assert_eq!(backend.inspect(&key).await.unwrap().trace, None);
+    assert_eq!(backend.release(&key, "tok-1", true).await, Ok(ReleaseOutcome::Released));
+    let again = backend.try_begin(&key, &common::hash('a'), "tok-2", Duration::from_secs(30), hold).await;
+    assert_eq!(again, Ok(idemstore::backend::Attempt::Locked));
+    let value: String = redis::cmd("GET").arg(&name).query_async(&mut conn).await.unwrap();
+    assert!(value.starts_with("tok-2 "), "{value}");
 }

@@ -212,7 +212,7 @@ async fn dead_master_fails_only_its_slots_and_fast() {
     // 40 random keys: all on one side of the split by chance is below 1e-7.
     for _ in 0..40 {
         let started = Instant::now();
-        let attempt = backend.try_begin(&common::key(), &common::hash('a'), "t", common::TTL).await;
+        let attempt = backend.try_begin(&common::key(), &common::hash('a'), "t", common::TTL, None).await;
         let took = started.elapsed();
         assert!(took < timeout + Duration::from_millis(700), "took {took:?}");
         if attempt.is_ok() {
@@ -270,4 +270,23 @@ async fn operator_tools_on_three_masters() {
     common::listening(&one, 1).await;
     common::listening(&two, 1).await;
     common::delete_wakes_other_instance(&one, &two).await;
+}
+
+/// Attempts whose outcome is unknown on a cluster: the trace shares its key's slot, the
+/// scripts run on its master.
+#[tokio::test]
+async fn in_doubt_scenarios_on_three_masters() {
+    let cluster = Cluster::start().await;
+    let backend = cluster.backend();
+    common::in_doubt::hold_writes_a_trace(&backend).await;
+    common::in_doubt::in_doubt_after_an_in_doubt_release(&backend).await;
+    common::in_doubt::in_doubt_after_the_lock_expires(&backend).await;
+    common::in_doubt::another_body_is_a_mismatch(&backend).await;
+    common::in_doubt::without_hold_the_trace_is_ignored(&backend).await;
+    common::in_doubt::supersede(&backend).await;
+    common::in_doubt::late_commit_resolves(&backend).await;
+    common::in_doubt::release_not_in_doubt_clears_the_trace(&backend).await;
+    common::in_doubt::delete_clears_the_trace(&backend).await;
+    common::in_doubt::counted_and_found(&backend).await;
+    common::in_doubt::waiter_woken_by_an_in_doubt_release(common::no_recheck(cluster.backend())).await;
 }

@@ -51,7 +51,13 @@ impl Stream {
 }
 
 fn begin(key: &str, hash: &str, wait_ms: u64) -> Op {
-    Op::Begin(Begin { key: key.into(), body_hash: hash.into(), lock_ttl_ms: 30_000, wait_ms, deadline_ms: 0 })
+    Op::Begin(Begin {
+        key: key.into(),
+        body_hash: hash.into(),
+        lock_ttl_ms: 30_000,
+        wait_ms,
+        ..Begin::default()
+    })
 }
 
 fn begun(a: &Answer) -> &Begun {
@@ -113,7 +119,7 @@ async fn a_malformed_call_is_a_failure_and_the_stream_goes_on() {
     s.send(12, begin(&key, &hash, 0)).await;
     let locked = s.next().await;
     assert_eq!(begun(&locked).outcome, "locked");
-    let release = Release { key, token: begun(&locked).token.clone() };
+    let release = Release { key, token: begun(&locked).token.clone(), in_doubt: false };
     s.send(13, Op::Release(release)).await;
     assert_eq!(s.next().await.outcome, Some(Outcome::Released("released".into())));
 }
@@ -132,5 +138,93 @@ async fn the_secret_is_the_streams_metadata() {
     }
     let mut s = open(addr, Some("s3cret-s3cret-s3cret")).await.unwrap();
     s.send(1, begin(&common::key(), &common::hash('a'), 0)).await;
+    assert_eq!(begun(&s.next().await).outcome, "locked");
+}
+
+fn begin_hold(key: &str, hash: &str, retention_s: u64, supersede: &str) -> Op {
+    Op::Begin(Begin {
+        key: key.into(),
+        body_hash: hash.into(),
+        lock_ttl_ms: 30_000,
+        hold: true,
+        retention_s,
+        supersede: supersede.into(),
+        ..Begin::default()
+    })
+}
+
+/// The hold on the stream: a trace, an in-doubt release, `in-doubt` with the first attempt's
+/// token, start and running time in `Begun`; the right supersede locks again.
+#[tokio::test]
+async fn in_doubt_on_the_stream() {
+    let mut s = open(serve(1024).await, None).await.unwrap();
+    let (key, hash) = (common::key(), common::hash('a'));
+    let before = idemstore::backend::now_ms();
+    s.send(1, begin_hold(&key, &hash, 60, "")).await;
+    let locked = s.next().await;
+    assert_eq!(begun(&locked).outcome, "locked");
+    let first = begun(&locked).token.clone();
+    s.send(2, Op::Release(Release { key: key.clone(), token: first.clone(), in_doubt: true })).await;
+    assert_eq!(s.next().await.outcome, Some(Outcome::Released("released".into())));
+    s.send(3, begin_hold(&key, &hash, 60, "")).await;
+    let doubt = s.next().await;
+    let b = begun(&doubt);
+    assert_eq!((b.outcome.as_str(), b.token.as_str()), ("in-doubt", first.as_str()));
+    assert!(b.started_ms >= before && b.started_ms <= idemstore::backend::now_ms(), "{b:?}");
+    assert!(b.running_ms > 29_000 && b.running_ms <= 30_000, "{b:?}");
+    // Without a hold the trace is not read: a plain begin would lock. With the right supersede:
+    s.send(4, begin_hold(&key, &hash, 60, &first)).await;
+    let again = s.next().await;
+    assert_eq!(begun(&again).outcome, "locked");
+    assert_ne!(begun(&again).token, first);
+}
+
+/// The hold's fields are checked as the HTTP headers are: with `hold`, `retention_s` in range
+/// and `supersede` empty or a token; without it, no `supersede`. Each a `bad_request` failure,
+/// and the stream goes on.
+#[tokio::test]
+async fn hold_fields_are_validated() {
+    let mut s = open(serve(1024).await, None).await.unwrap();
+    let (key, hash) = (common::key(), common::hash('a'));
+    let long = "t".repeat(proto::MAX_TOKEN_LEN + 1);
+    let cases = [
+        (begin_hold(&key, &hash, 0, ""), "retention_s"),
+        (begin_hold(&key, &hash, proto::MAX_RETENTION_S + 1, ""), "retention_s"),
+        (begin_hold(&key, &hash, 60, "a b"), "supersede"),
+        (begin_hold(&key, &hash, 60, &long), "supersede"),
+        (
+            Op::Begin(Begin {
+                key: key.clone(),
+                body_hash: hash.clone(),
+                lock_ttl_ms: 30_000,
+                supersede: "tok".into(),
+                ..Begin::default()
+            }),
+            "supersede",
+        ),
+    ];
+    for (id, (op, field)) in cases.into_iter().enumerate() {
+        s.send(id as u64, op).await;
+        match s.next().await.outcome {
+            Some(Outcome::Failure(f)) => assert!(f.bad_request && f.reason.contains(field), "{f:?}"),
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+    // Not done: the key is free. The largest retention and a supersede of nothing are fine.
+    s.send(10, begin_hold(&key, &hash, proto::MAX_RETENTION_S, "no-such-token")).await;
+    assert_eq!(begun(&s.next().await).outcome, "locked");
+    // Without hold, retention_s is not read.
+    let other = common::key();
+    s.send(
+        11,
+        Op::Begin(Begin {
+            key: other,
+            body_hash: hash,
+            lock_ttl_ms: 1000,
+            retention_s: 0,
+            ..Begin::default()
+        }),
+    )
+    .await;
     assert_eq!(begun(&s.next().await).outcome, "locked");
 }

@@ -8,14 +8,26 @@
 //!
 //! | operation | request headers | request body | answer (`200`, outcome header) | answer body |
 //! |---|---|---|---|---|
-//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms, deadline-ms (optional) | none | `record` (+ttl-ms), `locked` (+token), `busy` (+lock-remaining-ms), `mismatch`, `expired` | the record for `record` |
+//! | `POST /v1/begin` | key, body-hash, lock-ttl-ms, wait-ms, deadline-ms (optional), hold + retention-s + supersede (optional) | none | `record` (+ttl-ms), `locked` (+token), `busy` (+lock-remaining-ms), `mismatch`, `expired`, `in-doubt` (+token, started-ms, running-ms) | the record for `record` |
 //! | `POST /v1/commit` | key, token, body-hash, retention-s | the record | `stored`, `late`, `exists` | none |
-//! | `POST /v1/release` | key, token | none | `released`, `not-owner` | none |
+//! | `POST /v1/release` | key, token, in-doubt (optional) | none | `released`, `not-owner` | none |
 //! | `POST /v1/commits` | retention-s | 1 to [`MAX_BATCH_ITEMS`] commits ([`encode_batch_item`]) | `batch` | one outcome per line, in order ([`BATCH_FAILED`] for one not done) |
 //!
 //! `commits` is `commit` for many records in one round trip: a filter that has commits waiting
 //! while one is in flight sends them together. Each item is committed as its own `commit` would
 //! be (one fails, the others stand); a malformed item makes the whole call a `400`, nothing done.
+//!
+//! **Attempts whose outcome is unknown.** A `begin` with [`HEADER_HOLD`] leaves a *trace* of
+//! the attempt it locks for (its token, start time, lock TTL and body hash), kept for
+//! [`HEADER_RETENTION_S`] (at least the lock TTL): it outlives an Envoy that dies mid-attempt.
+//! A `commit` (stored or late) and a plain `release` (the attempt never reached the
+//! application) clear it; a `release` with [`HEADER_IN_DOUBT`] (the attempt was sent and no
+//! answer came back) drops the lock and keeps it. A later `begin` with `hold` that finds a trace
+//! and no lock answers `in-doubt` (or `mismatch`, for another body hash) instead of locking:
+//! the key will not run again until the first attempt's own late `commit` (its token), a
+//! `begin` that supersedes that token ([`HEADER_SUPERSEDE`]: the application said the first
+//! attempt never committed), or an operator clears it. A `begin` without `hold` ignores traces
+//! and leaves none.
 //!
 //! Any other status, or a `200` without a known outcome, is a store fault: the filter fails
 //! open (or closed, by configuration) and counts it.
@@ -65,7 +77,24 @@ pub const HEADER_TTL_MS: &str = "x-idem-ttl-ms";
 /// rounded up, at least 1. Optional (absent when the store does not know): the filter turns it
 /// into the 409's `retry-after`.
 pub const HEADER_LOCK_REMAINING_MS: &str = "x-idem-lock-remaining-ms";
-/// The lock owner's token: returned by `begin` on `locked`, sent back by `commit`/`release`.
+/// On `begin`: `1` to keep a trace of the attempt and answer `in-doubt` for a key whose earlier
+/// attempt's outcome is unknown (see the crate root); absent or `0`: neither. With it,
+/// [`HEADER_RETENTION_S`] is how long the trace lives (at least the lock TTL).
+pub const HEADER_HOLD: &str = "x-idem-hold";
+/// On `begin` with `hold`: the token of an in-doubt attempt whose trace this `begin` clears
+/// first (the application answered that it never committed). Optional.
+pub const HEADER_SUPERSEDE: &str = "x-idem-supersede";
+/// On `release`: `1` when the attempt was sent and its outcome is unknown: the lock is dropped
+/// and the attempt's trace kept, so the key is in doubt. Absent or `0`: the trace goes too.
+pub const HEADER_IN_DOUBT: &str = "x-idem-in-doubt";
+/// On an `in-doubt` answer: when the first attempt began, in milliseconds since the Unix epoch
+/// (the store's clock).
+pub const HEADER_STARTED_MS: &str = "x-idem-started-ms";
+/// On an `in-doubt` answer: how long the first attempt may still be running (until its start
+/// plus its lock TTL), in whole milliseconds rounded up; `0`: it can no longer be.
+pub const HEADER_RUNNING_MS: &str = "x-idem-running-ms";
+/// The lock owner's token: returned by `begin` on `locked` (and on `in-doubt`, the in-doubt
+/// attempt's), sent back by `commit`/`release`.
 pub const HEADER_TOKEN: &str = "x-idem-token";
 /// The operation's outcome, one of the outcome enums' wire names.
 pub const HEADER_OUTCOME: &str = "x-idem-outcome";
@@ -117,6 +146,10 @@ wire_enum!(
         /// The call came past its deadline (`x-idem-deadline-ms`): nothing was looked up or
         /// locked.
         Expired => "expired",
+        /// (`hold` only) An earlier attempt with this body hash began and its outcome is
+        /// unknown: no lock was taken. The token header is that attempt's; the started and
+        /// running headers say when it began and how long it may still run.
+        InDoubt => "in-doubt",
     }
 );
 
@@ -140,6 +173,34 @@ wire_enum!(
         NotOwner => "not-owner",
     }
 );
+
+/// True for a lower-case RFC 9110 token, not a pseudo-header: the only form Envoy presents header
+/// names in, and the only one a record holds (the filter writes records; idemstore's operator
+/// tools write one too).
+pub fn is_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase()
+                || b.is_ascii_digit()
+                || matches!(
+                    b,
+                    b'!' | b'#'
+                        | b'$'
+                        | b'%'
+                        | b'&'
+                        | b'\''
+                        | b'*'
+                        | b'+'
+                        | b'-'
+                        | b'.'
+                        | b'^'
+                        | b'_'
+                        | b'`'
+                        | b'|'
+                        | b'~'
+                )
+        })
+}
 
 /// True for 64 lowercase hex characters: the form of store keys and body hashes.
 pub fn is_hex64(s: &[u8]) -> bool {
@@ -265,6 +326,7 @@ mod tests {
             BeginOutcome::Busy,
             BeginOutcome::Mismatch,
             BeginOutcome::Expired,
+            BeginOutcome::InDoubt,
         ] {
             assert_eq!(BeginOutcome::parse(o.as_str().as_bytes()), Some(o));
         }

@@ -53,6 +53,15 @@ pub struct Begin {
     /// When the caller gives up, in milliseconds since the Unix epoch; 0: not given.
     #[prost(uint64, tag = "5")]
     pub deadline_ms: u64,
+    /// `x-idem-hold`: keep a trace of the attempt; answer `in-doubt` for an earlier one's.
+    #[prost(bool, tag = "6")]
+    pub hold: bool,
+    /// With `hold`: how long the trace may outlive the lock, in seconds.
+    #[prost(uint64, tag = "7")]
+    pub retention_s: u64,
+    /// With `hold`: the in-doubt attempt's token whose trace to clear first; empty: none.
+    #[prost(string, tag = "8")]
+    pub supersede: String,
 }
 
 /// `commit`: as `POST /v1/commit`.
@@ -77,6 +86,9 @@ pub struct Release {
     pub key: String,
     #[prost(string, tag = "2")]
     pub token: String,
+    /// `x-idem-in-doubt`: the attempt was sent and its outcome is unknown: keep its trace.
+    #[prost(bool, tag = "3")]
+    pub in_doubt: bool,
 }
 
 /// The answer to the call with the same `id`.
@@ -119,6 +131,13 @@ pub struct Begun {
     /// `busy`: how long the holder's lock still lives, in milliseconds rounded up; 0: not known.
     #[prost(uint64, tag = "5")]
     pub lock_remaining_ms: u64,
+    /// `in-doubt`: when the first attempt began, milliseconds since the Unix epoch.
+    #[prost(uint64, tag = "6")]
+    pub started_ms: u64,
+    /// `in-doubt`: how long the first attempt may still be running, in milliseconds rounded
+    /// up; 0: it can no longer be.
+    #[prost(uint64, tag = "7")]
+    pub running_ms: u64,
 }
 
 /// A call the store did not do: `bad_request` (as a `400`: a malformed call, never retried)
@@ -162,7 +181,10 @@ mod tests {
     #[test]
     fn the_wire_form_is_protobufs() {
         // id 1, release {key "k", token "t"}: what any protobuf library writes for it.
-        let call = Call { id: 1, op: Some(Op::Release(Release { key: "k".into(), token: "t".into() })) };
+        let call = Call {
+            id: 1,
+            op: Some(Op::Release(Release { key: "k".into(), token: "t".into(), in_doubt: false })),
+        };
         assert_eq!(call.encode_to_vec(), b"\x08\x01\x22\x06\x0a\x01k\x12\x01t");
     }
 }

@@ -115,6 +115,11 @@ config! {
         /// Response header telling when the answer's record expires, on the first answer and
         /// every replay (absent: not sent).
         expiry_header: Option<String>,
+        /// What an attempt whose answer was lost leaves: the key in doubt (`hold`) or released.
+        unknown_outcome: UnknownOutcome,
+        /// Where the application says whether an in-doubt attempt committed (absent: it is not
+        /// asked).
+        outcome_lookup: Option<OutcomeLookup>,
         /// A policy per Envoy route name (see `config::routes`).
         routes: Routes,
     }
@@ -256,6 +261,23 @@ impl Config {
             None | Some(Value::Null) => None,
             Some(v) => Some(header_name("expiry_header", v)?),
         };
+        let unknown_outcome = match raw.unknown_outcome {
+            None => UnknownOutcome::Hold,
+            Some(Value::String(s)) if s == "hold" => UnknownOutcome::Hold,
+            Some(Value::String(s)) if s == "run_again" => UnknownOutcome::RunAgain,
+            Some(_) => return Err(err("unknown_outcome", "must be \"hold\" or \"run_again\"")),
+        };
+        let outcome_lookup = match raw.outcome_lookup {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(outcome_lookup(v)?),
+        };
+        if outcome_lookup.is_some() && store_key_header.is_none() {
+            return Err(err(
+                "outcome_lookup",
+                "needs `store_key_header`: the application must have received the store key with \
+                 the first attempt to be asked about it",
+            ));
+        }
         let mut set_on_replays =
             vec![("replay_header", &replay_header), ("body_omitted_header", &body_omitted_header)];
         set_on_replays.extend(expiry_header.as_ref().map(|name| ("expiry_header", name)));
@@ -363,6 +385,8 @@ impl Config {
             policy_url,
             problem_type_base,
             expiry_header,
+            unknown_outcome,
+            outcome_lookup,
             routes,
         };
         Ok(Config::assemble(simple, structured))
@@ -440,6 +464,11 @@ impl Config {
             policy_url: Some(json!(self.policy_url)),
             problem_type_base: Some(json!(self.problem_type_base)),
             expiry_header: Some(json!(self.expiry_header)),
+            unknown_outcome: Some(json!(match self.unknown_outcome {
+                UnknownOutcome::Hold => "hold",
+                UnknownOutcome::RunAgain => "run_again",
+            })),
+            outcome_lookup: Some(json!(self.outcome_lookup.as_ref().map(|l| json!({ "path": l.path })))),
             routes: Some(self.routes.to_raw()).filter(|_| !self.routes.is_empty()),
             ..RawConfig::default()
         }

@@ -394,3 +394,32 @@ pub fn uri(key: &str, v: Value, web: bool) -> Result<String, ConfigError> {
 }
 
 pub const MAX_URI: usize = 2048;
+
+raw_keys! {
+    /// `outcome_lookup`.
+    RawLookup {
+        path,
+    }
+}
+
+/// `outcome_lookup`: `{"path": "/..{key}.."}`, a path of at most 1024 visible ASCII bytes (no
+/// `?#` fragment, no spaces) with `{key}` in it.
+pub fn outcome_lookup(v: Value) -> Result<OutcomeLookup, ConfigError> {
+    let raw: RawLookup = object(v, "outcome_lookup.")?;
+    let Some(Value::String(path)) = raw.path else {
+        return Err(err(
+            "outcome_lookup.path",
+            "is required: a path with `{key}`, e.g. \"/orders/by-key/{key}\"",
+        ));
+    };
+    if !path.starts_with('/') || !path.contains("{key}") {
+        return Err(err(
+            "outcome_lookup.path",
+            format!("must start with `/` and contain `{{key}}`, got {path:?}"),
+        ));
+    }
+    if path.len() > 1024 || !path.bytes().all(|b| (0x21..=0x7e).contains(&b)) || path.contains('#') {
+        return Err(err("outcome_lookup.path", "must be at most 1024 visible ASCII characters, without `#`"));
+    }
+    Ok(OutcomeLookup { path })
+}

@@ -11,6 +11,31 @@ pub enum FailureMode {
     Closed,
 }
 
+/// What an attempt that reached the application but whose answer never came back leaves
+/// behind (`unknown_outcome`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownOutcome {
+    /// The key is in doubt: its retries run nothing and get `409` `outcome-unknown` until the
+    /// first attempt's late answer, `outcome_lookup` or an operator resolves it.
+    Hold,
+    /// The lock is released and the next retry runs again (for naturally idempotent handlers).
+    RunAgain,
+}
+
+/// `outcome_lookup`: where the application answers whether an in-doubt attempt committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutcomeLookup {
+    /// A path starting with `/`, with `{key}` where the store key goes.
+    pub path: String,
+}
+
+impl OutcomeLookup {
+    /// The path for the store key `key`.
+    pub fn path_for(&self, key: &str) -> String {
+        self.path.replace("{key}", key)
+    }
+}
+
 /// How store calls travel to idemstore (`store_transport`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreTransport {

@@ -387,7 +387,7 @@ impl Context for HttpStream {
         if let Some(vm) = &self.vm {
             let id = self.id;
             vm.current.set(id);
-            vm.run(|c| c.on_stream_done(id, &HostEnv));
+            vm.run(|c| c.on_stream_done(id, &HostView::default(), &HostEnv));
         }
         true
     }

@@ -30,6 +30,7 @@ pub const DEADLINE_EXCEEDED: u8 = 4;
 pub const ALREADY_EXISTS: u8 = 6;
 pub const RESOURCE_EXHAUSTED: u8 = 8;
 pub const FAILED_PRECONDITION: u8 = 9;
+pub const ABORTED: u8 = 10;
 pub const INTERNAL: u8 = 13;
 pub const UNAVAILABLE: u8 = 14;
 

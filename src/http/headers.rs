@@ -1,30 +1,7 @@
 //! Facts about HTTP header names and values that the config, the record and the replay share.
 
 /// A lower-case RFC 9110 token, not a pseudo-header: the only form Envoy presents header names in.
-pub fn is_valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.bytes().all(|b| {
-            b.is_ascii_lowercase()
-                || b.is_ascii_digit()
-                || matches!(
-                    b,
-                    b'!' | b'#'
-                        | b'$'
-                        | b'%'
-                        | b'&'
-                        | b'\''
-                        | b'*'
-                        | b'+'
-                        | b'-'
-                        | b'.'
-                        | b'^'
-                        | b'_'
-                        | b'`'
-                        | b'|'
-                        | b'~'
-                )
-        })
-}
+pub use idem_protocol::is_header_name as is_valid_name;
 
 /// Headers a replay must never carry: another caller's cookies, and hop-by-hop or framing
 /// headers that describe the original connection, not the response.

@@ -63,7 +63,10 @@ impl UpstreamAnswer {
     /// A callout answer. Envoy answers a callout itself when the upstream does not: `504` for
     /// the timeout, `503` for a reset or refused connection; only an answer that went through
     /// the upstream carries `x-envoy-upstream-service-time`, which tells them apart from the
-    /// upstream's own 503 and 504. No headers at all is a reset too.
+    /// upstream's own 503 and 504. No headers at all is a reset too. Envoy's `503` says why in
+    /// its body (measured with Envoy 1.40: `... reset reason: remote connection failure, ...`,
+    /// `... connection timeout`, against `... connection termination` for a reset after the
+    /// request went out): a connection never made is [`CalloutFault::Refused`].
     pub fn decode(headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> Result<UpstreamAnswer, CalloutFault> {
         if headers.is_empty() {
             return Err(CalloutFault::Reset);
@@ -76,7 +79,16 @@ impl UpstreamAnswer {
         let from_upstream = headers.iter().any(|(n, _)| n == "x-envoy-upstream-service-time");
         match status {
             504 if !from_upstream => Err(CalloutFault::Timeout),
-            503 if !from_upstream => Err(CalloutFault::Reset),
+            503 if !from_upstream => {
+                let text = String::from_utf8_lossy(&body);
+                let never_sent =
+                    ["connection failure", "connection timeout", "overflow", "no healthy upstream"];
+                Err(if never_sent.iter().any(|r| text.contains(r)) {
+                    CalloutFault::Refused
+                } else {
+                    CalloutFault::Reset
+                })
+            }
             _ => Ok(UpstreamAnswer { status, headers, body, trailers: Vec::new() }),
         }
     }
@@ -137,6 +149,23 @@ mod tests {
         assert_eq!(UpstreamAnswer::decode(vec![], vec![]), Err(CalloutFault::Reset));
         assert_eq!(UpstreamAnswer::decode(pairs(&[(":status", b"504")]), vec![]), Err(CalloutFault::Timeout));
         assert_eq!(UpstreamAnswer::decode(pairs(&[(":status", b"503")]), vec![]), Err(CalloutFault::Reset));
+        // Envoy 1.40's bodies: a connection never made, or one reset after the request went out.
+        let envoys =
+            |text: &str| UpstreamAnswer::decode(pairs(&[(":status", b"503")]), text.as_bytes().to_vec());
+        assert_eq!(
+            envoys("upstream connect error or disconnect/reset before headers. reset reason: remote connection failure, transport failure reason: delayed connect error: Connection refused"),
+            Err(CalloutFault::Refused)
+        );
+        assert_eq!(
+            envoys(
+                "upstream connect error or disconnect/reset before headers. reset reason: connection timeout"
+            ),
+            Err(CalloutFault::Refused)
+        );
+        assert_eq!(
+            envoys("upstream connect error or disconnect/reset before headers. reset reason: connection termination"),
+            Err(CalloutFault::Reset)
+        );
         let own = pairs(&[(":status", b"503"), ("x-envoy-upstream-service-time", b"3")]);
         assert_eq!(UpstreamAnswer::decode(own, vec![]).map(|a| a.status), Ok(503), "the upstream's own 503");
         assert!(UpstreamAnswer::decode(pairs(&[("x", b"1")]), vec![]).is_err());

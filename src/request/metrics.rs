@@ -63,10 +63,21 @@ pub enum Metric {
     /// Store streams that closed, reset, or were given up (silent past a call's deadline, or
     /// carrying garbage): every call in flight on one failed (each also in `store_errors`).
     StoreStreamResets,
+    /// An attempt that reached the application and whose answer never came back (a timeout, a
+    /// reset, a client gone), left in doubt (`unknown_outcome: hold`) instead of released.
+    InDoubt,
+    /// A retry of an in-doubt key answered `409` `outcome-unknown`: nothing ran.
+    OutcomeUnknown,
+    /// An in-doubt key resolved by `outcome_lookup`: the application's answer (`2xx`) became
+    /// its record and was replayed.
+    ResolvedByLookup,
+    /// An in-doubt key resolved by `outcome_lookup`'s `404` after the first attempt could no
+    /// longer be running: the retry ran as a first attempt.
+    ResolvedToRun,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 25] = [
+    pub const ALL: [Metric; 29] = [
         Metric::Guarded,
         Metric::Replayed,
         Metric::Executed,
@@ -92,6 +103,10 @@ impl Metric {
         Metric::GrpcUnguarded,
         Metric::StoreStreamsOpened,
         Metric::StoreStreamResets,
+        Metric::InDoubt,
+        Metric::OutcomeUnknown,
+        Metric::ResolvedByLookup,
+        Metric::ResolvedToRun,
     ];
 
     pub fn name(self) -> &'static str {
@@ -121,6 +136,10 @@ impl Metric {
             Metric::GrpcUnguarded => "idempotency.grpc_unguarded",
             Metric::StoreStreamsOpened => "idempotency.store_streams_opened",
             Metric::StoreStreamResets => "idempotency.store_stream_resets",
+            Metric::InDoubt => "idempotency.in_doubt",
+            Metric::OutcomeUnknown => "idempotency.outcome_unknown",
+            Metric::ResolvedByLookup => "idempotency.in_doubt_resolved.lookup",
+            Metric::ResolvedToRun => "idempotency.in_doubt_resolved.rerun",
         }
     }
 
@@ -139,6 +158,8 @@ impl Metric {
             Metric::Detached => Some("detached"),
             Metric::Minted => Some("minted"),
             Metric::GrpcUnguarded => Some("grpc_unguarded"),
+            Metric::InDoubt | Metric::OutcomeUnknown => Some("in-doubt"),
+            Metric::ResolvedByLookup => Some("replayed"),
             Metric::Guarded
             | Metric::Stored
             | Metric::Released
@@ -152,7 +173,8 @@ impl Metric {
             | Metric::HandedBack
             | Metric::HandBackDropped
             | Metric::StoreStreamsOpened
-            | Metric::StoreStreamResets => None,
+            | Metric::StoreStreamResets
+            | Metric::ResolvedToRun => None,
         }
     }
 

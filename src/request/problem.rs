@@ -133,6 +133,29 @@ pub fn message_in_flight(cfg: &Config, lock_ms: u64) -> LocalResponse {
     retry_after(r, lock_ms)
 }
 
+/// A retry of a key whose first attempt reached the application and whose outcome is unknown
+/// (`unknown_outcome: hold`). `running_ms`: how long that attempt may still be running (then
+/// `retry-after`: a retry after it may find its late answer, or `outcome_lookup`'s).
+pub fn outcome_unknown(cfg: &Config, running_ms: u64) -> LocalResponse {
+    let r = problem(
+        cfg,
+        409,
+        OUTCOME_UNKNOWN,
+        "Outcome unknown",
+        "An earlier request with this Idempotency-Key reached the application and its answer was \
+         lost (a timeout, a reset, a client that went away): it may have taken effect. It will not \
+         run again with this key; its answer is replayed here once it is known.",
+    );
+    if running_ms > 0 {
+        retry_after(r, running_ms)
+    } else {
+        r
+    }
+}
+
+/// The `code` of [`outcome_unknown`], which gRPC answers as `ABORTED`.
+pub const OUTCOME_UNKNOWN: &str = "outcome-unknown";
+
 /// A request body over the route's `max_body_bytes`.
 pub fn body_too_large(cfg: &Config) -> LocalResponse {
     let max = cfg.max_body_bytes;
@@ -278,7 +301,11 @@ pub fn grpc(r: LocalResponse, pushback_ms: Option<u64>) -> LocalResponse {
     if r.headers.iter().any(|(n, _)| n == "grpc-status") {
         return r;
     }
+    let problem: Option<serde_json::Value> = serde_json::from_slice(&r.body).ok();
+    let field = |name: &str| problem.as_ref().and_then(|p| p.get(name)).and_then(|v| v.as_str());
     let code = match r.status {
+        // Not UNAVAILABLE, which clients retry on their own: nothing will change by retrying.
+        409 if field("code") == Some(OUTCOME_UNKNOWN) => grpc::ABORTED,
         400 => grpc::INVALID_ARGUMENT,
         406 | 422 => grpc::FAILED_PRECONDITION,
         409 | 502 | 503 => grpc::UNAVAILABLE,
@@ -286,8 +313,6 @@ pub fn grpc(r: LocalResponse, pushback_ms: Option<u64>) -> LocalResponse {
         504 => grpc::DEADLINE_EXCEEDED,
         _ => grpc::UNKNOWN,
     };
-    let problem: Option<serde_json::Value> = serde_json::from_slice(&r.body).ok();
-    let field = |name: &str| problem.as_ref().and_then(|p| p.get(name)).and_then(|v| v.as_str());
     let message = match (field("code"), field("detail")) {
         (Some(c), Some(d)) => format!("{c}: {d}"),
         _ => format!("idempotency filter answered {}", r.status),

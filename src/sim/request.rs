@@ -115,9 +115,11 @@ pub enum Event {
     RequestTrailers,
     /// The store's answer to `begin`. A `Locked` answer gets a fresh token from the driver.
     BeginAnswer(Result<BeginAnswer, CalloutFault>),
-    /// The response headers become `headers`.
+    /// The response headers become `headers`; `details`: Envoy's `response.code_details` for
+    /// them (`via_upstream` for the upstream's own, a reason for Envoy's reply; `None`: not told).
     ResponseHeaders {
         headers: Vec<(String, Vec<u8>)>,
+        details: Option<String>,
         end_of_stream: bool,
     },
     /// The next response body chunk.
@@ -126,7 +128,7 @@ pub enum Event {
         end_of_stream: bool,
     },
     ResponseTrailers,
-    /// The answer to a detached execution.
+    /// The answer to a detached execution, or to an `outcome_lookup`.
     UpstreamAnswer(Result<UpstreamAnswer, CalloutFault>),
     /// The stream is over (complete, reset, or the client went away).
     StreamEnd,
@@ -141,6 +143,9 @@ pub struct Tally {
     pub begins: u32,
     pub commits: u32,
     pub releases: u32,
+    /// Releases that left the key in doubt.
+    pub in_doubt: u32,
+    pub lookups: u32,
 }
 
 /// A lock the store granted, and how many commits or releases named it.
@@ -165,6 +170,15 @@ pub struct Driver {
     begin_pending: bool,
     upstream_pending: bool,
     locks: Vec<Lock>,
+    /// The store said the key is in doubt: the attempt's token and how long it may still run.
+    in_doubt: Option<(String, u64)>,
+    /// A lookup is pending; then whether the last one said `404`.
+    looking: bool,
+    lookup_absent: bool,
+    /// The `begin` that superseded the in-doubt attempt is pending, or was granted its lock.
+    superseding: bool,
+    /// Commits made under the in-doubt attempt's token (a lookup's answer).
+    in_doubt_commits: u32,
     pub tally: Tally,
 }
 
@@ -183,6 +197,11 @@ impl Driver {
             begin_pending: false,
             upstream_pending: false,
             locks: Vec::new(),
+            in_doubt: None,
+            looking: false,
+            lookup_absent: false,
+            superseding: false,
+            in_doubt_commits: 0,
             tally: Tally::default(),
         }
     }
@@ -206,14 +225,22 @@ impl Driver {
                         self.locks.push(Lock { token: token.clone(), ends: 0 });
                         Ok(BeginAnswer::Locked { token: token.into() })
                     }
+                    Ok(BeginAnswer::InDoubt { token, started_ms, running_ms }) if self.begin_pending => {
+                        self.in_doubt = Some((token.to_string(), running_ms));
+                        Ok(BeginAnswer::InDoubt { token, started_ms, running_ms })
+                    }
                     other => other,
                 };
                 stray = !self.begin_pending;
                 self.begin_pending = false;
                 self.stream.on_begin_answer(answer)
             }
-            Event::ResponseHeaders { headers, end_of_stream } => {
+            Event::ResponseHeaders { headers, details, end_of_stream } => {
                 self.view.response = headers;
+                match details {
+                    Some(d) => self.view.props.insert("response.code_details".into(), d.into_bytes()),
+                    None => self.view.props.remove("response.code_details"),
+                };
                 self.stream.on_response_headers(&self.view, end_of_stream).effects
             }
             Event::ResponseBody { chunk, end_of_stream } => {
@@ -225,10 +252,13 @@ impl Driver {
             Event::UpstreamAnswer(answer) => {
                 stray = !self.upstream_pending;
                 self.upstream_pending = false;
+                if std::mem::take(&mut self.looking) {
+                    self.lookup_absent = matches!(&answer, Ok(a) if a.status == 404);
+                }
                 self.stream.on_upstream_answer(answer, self.view.now_ms)
             }
             Event::StreamEnd => {
-                let effects = self.stream.on_stream_end();
+                let effects = self.stream.on_stream_end(&self.view);
                 self.ended = true;
                 effects
             }
@@ -279,7 +309,18 @@ impl Driver {
                 self.responded = true;
                 self.tally.responds += 1;
             }
+            Effect::Lookup(_) => {
+                if self.in_doubt.is_none() || self.executed || self.responded || self.upstream_pending {
+                    return self.violation("a lookup but for an in-doubt key's retry".into());
+                }
+                self.looking = true;
+                self.upstream_pending = true;
+                self.tally.lookups += 1;
+            }
             Effect::Resume | Effect::Upstream(_) => {
+                if self.in_doubt.is_some() && !self.superseding {
+                    return self.violation(format!("an in-doubt key ran again: {effect:?}"));
+                }
                 if self.executed {
                     return self.violation(format!("a second execution: {effect:?}"));
                 }
@@ -297,9 +338,20 @@ impl Driver {
                 self.resumed = matches!(effect, Effect::Resume);
                 self.upstream_pending = matches!(effect, Effect::Upstream(_));
             }
-            Effect::Store(StoreCall::Begin { key, body_hash, .. }) => {
-                if self.begun.is_some() {
-                    return self.violation("a second begin".into());
+            Effect::Store(StoreCall::Begin { key, body_hash, hold, .. }) => {
+                let supersede = hold.as_ref().and_then(|h| h.supersede.as_deref());
+                match (&self.begun, supersede, &self.in_doubt) {
+                    (None, None, _) => {}
+                    // Only once the application said `404` of an attempt that can no longer run.
+                    (Some(begun), Some(token), Some((in_doubt, 0)))
+                        if self.lookup_absent
+                            && !self.superseding
+                            && token == in_doubt
+                            && *begun == (key.clone(), body_hash.clone()) =>
+                    {
+                        self.superseding = true;
+                    }
+                    _ => return self.violation(format!("a second begin, or one superseding {supersede:?}")),
                 }
                 if !idem_protocol::is_hex64(key.as_bytes()) || !idem_protocol::is_hex64(body_hash.as_bytes())
                 {
@@ -307,6 +359,10 @@ impl Driver {
                 }
                 self.begun = Some((key.clone(), body_hash.clone()));
                 self.begin_pending = true;
+                if self.superseding {
+                    // A fresh attempt: what the machine does with its lock is checked as a first's.
+                    self.in_doubt = None;
+                }
                 self.tally.begins += 1;
             }
             Effect::Store(StoreCall::Commit { key, token, body_hash, record, .. }) => {
@@ -341,12 +397,26 @@ impl Driver {
                         return self.violation(format!("a commit of a record that cannot replay: {other:?}"))
                     }
                 }
-                self.end_lock(key, token)?;
+                match &self.in_doubt {
+                    // The lookup's answer, committed as the in-doubt attempt's own late commit.
+                    Some((t, _)) if *t == token.to_string() => {
+                        self.in_doubt_commits += 1;
+                        if self.in_doubt_commits > 1 || self.executed {
+                            return self.violation("a second commit under the in-doubt token".into());
+                        }
+                    }
+                    _ => self.end_lock(key, token)?,
+                }
                 self.tally.commits += 1;
             }
-            Effect::Store(StoreCall::Release { key, token }) => {
+            Effect::Store(StoreCall::Release { key, token, in_doubt }) => {
+                // In doubt only what went to the application.
+                if *in_doubt && !self.executed {
+                    return self.violation("an attempt left in doubt that never ran".into());
+                }
                 self.end_lock(key, token)?;
                 self.tally.releases += 1;
+                self.tally.in_doubt += u32::from(*in_doubt);
             }
             Effect::SetRequestHeader(..)
             | Effect::RemoveRequestHeader(_)

@@ -4,6 +4,7 @@
 use idem_protocol as proto;
 use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
 
+use crate::config::values::UnknownOutcome;
 use crate::config::Config;
 use crate::store::record::Record;
 
@@ -13,19 +14,33 @@ pub enum StoreCall {
         key: String,
         body_hash: String,
         lock: LockTerms,
+        /// `unknown_outcome: hold`: the store keeps a trace of the attempt (see [`Hold`]).
+        hold: Option<Hold>,
     },
     /// `retention_s`: how long the store keeps the record (the route's `retention_seconds`).
-    Commit {
-        key: String,
-        token: LockToken,
-        body_hash: String,
-        record: Vec<u8>,
-        retention_s: u64,
-    },
-    Release {
-        key: String,
-        token: LockToken,
-    },
+    Commit { key: String, token: LockToken, body_hash: String, record: Vec<u8>, retention_s: u64 },
+    /// `in_doubt`: the attempt was sent and its answer never came back: the store drops the
+    /// lock and keeps the attempt's trace, so the key is in doubt (`unknown_outcome: hold`).
+    /// Otherwise it never reached the application, and the trace goes too.
+    Release { key: String, token: LockToken, in_doubt: bool },
+}
+
+/// What a `begin` under `unknown_outcome: hold` asks of the store besides the lock: keep a trace
+/// of the attempt for `retention_s` (the route's `retention_seconds`), answer `in-doubt` for a
+/// key an earlier attempt left in doubt, and first clear the trace of the attempt `supersede`
+/// names (the application answered that it never committed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    pub retention_s: u64,
+    pub supersede: Option<String>,
+}
+
+impl Hold {
+    /// The terms of a route's `begin`: `None` under `unknown_outcome: run_again`.
+    pub fn of(cfg: &Config) -> Option<Hold> {
+        (cfg.unknown_outcome == UnknownOutcome::Hold)
+            .then_some(Hold { retention_s: cfg.retention_seconds, supersede: None })
+    }
 }
 
 /// The lock a `begin` asks for: its TTL and how long to wait for another holder's. They are
@@ -142,7 +157,7 @@ impl StoreCall {
         match self {
             StoreCall::Commit { .. } if attempt == 0 => Some(self.clone()),
             StoreCall::Commit { key, token, .. } => {
-                Some(StoreCall::Release { key: key.clone(), token: token.clone() })
+                Some(StoreCall::Release { key: key.clone(), token: token.clone(), in_doubt: false })
             }
             StoreCall::Begin { .. } | StoreCall::Release { .. } => None,
         }
@@ -161,10 +176,17 @@ impl StoreCall {
             headers.push((proto::HEADER_SECRET, secret.as_str().to_string()));
         }
         let (path, body, timeout_ms) = match self {
-            StoreCall::Begin { body_hash, lock, .. } => {
+            StoreCall::Begin { body_hash, lock, hold, .. } => {
                 headers.push((proto::HEADER_BODY_HASH, body_hash.clone()));
                 headers.push((proto::HEADER_LOCK_TTL_MS, lock.ttl_ms.to_string()));
                 headers.push((proto::HEADER_WAIT_MS, lock.wait_ms.to_string()));
+                if let Some(hold) = hold {
+                    headers.push((proto::HEADER_HOLD, "1".to_string()));
+                    headers.push((proto::HEADER_RETENTION_S, hold.retention_s.to_string()));
+                    if let Some(token) = &hold.supersede {
+                        headers.push((proto::HEADER_SUPERSEDE, token.clone()));
+                    }
+                }
                 // The store may hold the call for the whole wait before it answers.
                 let timeout_ms = cfg.store_timeout_ms + lock.wait_ms;
                 if let Some(sent) = sent_ms {
@@ -179,8 +201,11 @@ impl StoreCall {
                 headers.push(("content-type", "application/octet-stream".to_string()));
                 (proto::PATH_COMMIT, Some(record.clone()), cfg.store_timeout_ms)
             }
-            StoreCall::Release { token, .. } => {
+            StoreCall::Release { token, in_doubt, .. } => {
                 headers.push((proto::HEADER_TOKEN, token.to_string()));
+                if *in_doubt {
+                    headers.push((proto::HEADER_IN_DOUBT, "1".to_string()));
+                }
                 (proto::PATH_RELEASE, None, cfg.store_timeout_ms)
             }
         };
@@ -222,8 +247,10 @@ pub fn batch_callout(cfg: &Config, commits: &[&StoreCall]) -> Callout {
 pub enum CalloutFault {
     /// The callout could not be dispatched (unknown cluster, host error).
     Dispatch,
-    /// The connection was reset or refused: the answer has no headers.
+    /// The connection was reset (or, for a store call, refused): the answer has no headers.
     Reset,
+    /// An upstream call whose connection could not be made: nothing was sent.
+    Refused,
     /// Envoy's callout timeout fired (`:status 504`).
     Timeout,
     /// The store answered with a non-200 status.
@@ -239,6 +266,7 @@ impl std::fmt::Display for CalloutFault {
         match self {
             CalloutFault::Dispatch => f.write_str("callout could not be dispatched"),
             CalloutFault::Reset => f.write_str("connection reset or refused"),
+            CalloutFault::Refused => f.write_str("connection refused or not made: nothing was sent"),
             CalloutFault::Timeout => f.write_str("timed out"),
             // idemstore's only 401: its shared secret was missing or wrong.
             CalloutFault::Status(401) => f.write_str(
@@ -265,6 +293,32 @@ pub enum BeginAnswer {
     /// The store holds a record for this key and body (this Envoy sent it) but cannot be read
     /// now: the local fallback's answer for a retry in an outage, which must not run again.
     Withheld,
+    /// An earlier attempt with this body reached the application and its outcome is unknown
+    /// (`unknown_outcome: hold`): nothing was locked. `token`: that attempt's (a late commit
+    /// under it resolves the key); it began at `started_ms` (the store's clock) and may still be
+    /// running for `running_ms`.
+    InDoubt {
+        token: LockToken,
+        started_ms: u64,
+        running_ms: u64,
+    },
+}
+
+/// An `in-doubt` answer, read strictly: a token the store could have minted, a start time and
+/// a time left the store must give.
+pub fn in_doubt(
+    token: &[u8],
+    started_ms: Option<u64>,
+    running_ms: Option<u64>,
+) -> Result<BeginAnswer, CalloutFault> {
+    if !proto::is_token(token) {
+        return Err(CalloutFault::Garbage("bad token"));
+    }
+    let (Some(started_ms), Some(running_ms)) = (started_ms, running_ms) else {
+        return Err(CalloutFault::Garbage("in-doubt without its times"));
+    };
+    let token = LockToken::Store(String::from_utf8_lossy(token).into_owned());
+    Ok(BeginAnswer::InDoubt { token, started_ms, running_ms })
 }
 
 /// What a store call's answer says, however it came: an HTTP callout's ([`Answer`]) or a message
@@ -343,6 +397,15 @@ impl Answer<'_> {
             // The store reached the call past the deadline it carried: for the filter, a
             // timeout (nothing was locked).
             BeginOutcome::Expired => return Err(CalloutFault::Timeout),
+            BeginOutcome::InDoubt => {
+                let number =
+                    |name: &str, max: u64| self.header(name).and_then(|v| proto::parse_in(v, 0..=max));
+                in_doubt(
+                    self.header(proto::HEADER_TOKEN).unwrap_or_default(),
+                    number(proto::HEADER_STARTED_MS, u64::MAX),
+                    number(proto::HEADER_RUNNING_MS, proto::MAX_LOCK_TTL_MS),
+                )?
+            }
         })
     }
 
@@ -403,6 +466,7 @@ mod tests {
             key: k.clone(),
             body_hash: "b".repeat(64),
             lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+            hold: None,
         }
         .callout(&cfg(), None);
         assert_eq!(begin.timeout_ms, 1000);
@@ -414,6 +478,7 @@ mod tests {
             key: k.clone(),
             body_hash: "b".repeat(64),
             lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+            hold: None,
         }
         .callout(&cfg(), Some(5_000));
         assert!(sent.headers.contains(&(proto::HEADER_DEADLINE_MS, "6000".into())), "sent + 700 + 300");
@@ -428,7 +493,7 @@ mod tests {
         assert_eq!(commit.timeout_ms, 700);
         assert_eq!(commit.body, Some(vec![1, 2]));
         assert!(commit.headers.contains(&(proto::HEADER_RETENTION_S, "86400".into())));
-        let release = StoreCall::Release { key: k, token: "t".into() }.callout(&cfg(), None);
+        let release = StoreCall::Release { key: k, token: "t".into(), in_doubt: false }.callout(&cfg(), None);
         assert!(release.headers.contains(&(":path", "/v1/release".into())));
         assert!(release.headers.contains(&(proto::HEADER_TOKEN, "t".into())));
     }
@@ -474,6 +539,7 @@ mod tests {
                 key: k.clone(),
                 body_hash: "b".repeat(64),
                 lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+                hold: None,
             },
             StoreCall::Commit {
                 key: k.clone(),
@@ -482,7 +548,7 @@ mod tests {
                 record: vec![1],
                 retention_s: 86_400,
             },
-            StoreCall::Release { key: k, token: "t".into() },
+            StoreCall::Release { key: k, token: "t".into(), in_doubt: false },
         ];
         let with = Config::from_json(br#"{"store_cluster":"idemstore","store_secret":"s3cret!"}"#).unwrap();
         for call in &calls {
@@ -522,14 +588,15 @@ mod tests {
             retention_s: 86_400,
         };
         assert_eq!(commit.after_fault(0), Some(commit.clone()));
-        let release = StoreCall::Release { key: "k".into(), token: "t".into() };
+        let release = StoreCall::Release { key: "k".into(), token: "t".into(), in_doubt: false };
         assert_eq!(commit.after_fault(1), Some(release.clone()));
         assert_eq!(release.after_fault(0), None);
         assert_eq!(
             StoreCall::Begin {
                 key: "k".into(),
                 body_hash: "h".into(),
-                lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 }
+                lock: LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+                hold: None,
             }
             .after_fault(0),
             None

@@ -8,7 +8,7 @@ use idem_protocol::{BeginOutcome, CommitOutcome, ReleaseOutcome};
 use prost::Message;
 
 use crate::config::Config;
-use crate::store::client::{BeginAnswer, CalloutFault, LockToken, StoreAnswer, StoreCall};
+use crate::store::client::{self, BeginAnswer, CalloutFault, LockToken, StoreAnswer, StoreCall};
 use crate::store::record::Record;
 
 /// A commit whose record is larger than this goes as an HTTP callout, not on the stream: the
@@ -38,12 +38,15 @@ pub fn timeout_ms(call: &StoreCall, cfg: &Config) -> u64 {
 /// Unix epoch, when the host can tell): a `begin` carries when the filter gives up on it.
 pub fn encode(call: &StoreCall, id: u64, cfg: &Config, sent_ms: Option<u64>) -> Vec<u8> {
     let op = match call {
-        StoreCall::Begin { key, body_hash, lock } => Op::Begin(wire::Begin {
+        StoreCall::Begin { key, body_hash, lock, hold } => Op::Begin(wire::Begin {
             key: key.clone(),
             body_hash: body_hash.clone(),
             lock_ttl_ms: lock.ttl_ms,
             wait_ms: lock.wait_ms,
             deadline_ms: sent_ms.map_or(0, |sent| sent.saturating_add(timeout_ms(call, cfg))),
+            hold: hold.is_some(),
+            retention_s: hold.as_ref().map_or(0, |h| h.retention_s),
+            supersede: hold.as_ref().and_then(|h| h.supersede.clone()).unwrap_or_default(),
         }),
         StoreCall::Commit { key, token, body_hash, record, retention_s } => Op::Commit(wire::Commit {
             key: key.clone(),
@@ -52,8 +55,8 @@ pub fn encode(call: &StoreCall, id: u64, cfg: &Config, sent_ms: Option<u64>) -> 
             retention_s: *retention_s,
             record: record.clone(),
         }),
-        StoreCall::Release { key, token } => {
-            Op::Release(wire::Release { key: key.clone(), token: token.to_string() })
+        StoreCall::Release { key, token, in_doubt } => {
+            Op::Release(wire::Release { key: key.clone(), token: token.to_string(), in_doubt: *in_doubt })
         }
     };
     wire::Call { id, op: Some(op) }.encode_to_vec()
@@ -123,6 +126,11 @@ impl Answered {
             BeginOutcome::Mismatch => BeginAnswer::Mismatch,
             // Past the deadline it carried: for the filter, a timeout (nothing was locked).
             BeginOutcome::Expired => return Err(CalloutFault::Timeout),
+            BeginOutcome::InDoubt => client::in_doubt(
+                b.token.as_bytes(),
+                Some(b.started_ms),
+                Some(b.running_ms).filter(|&ms| ms <= proto::MAX_LOCK_TTL_MS),
+            )?,
         })
     }
 
@@ -198,6 +206,7 @@ mod tests {
             key: "k".repeat(64),
             body_hash: "b".repeat(64),
             lock: crate::store::client::LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+            hold: None,
         };
         let call = wire::Call::decode(encode(&begin, 3, &cfg(), Some(5_000)).as_slice()).unwrap();
         assert_eq!(call.id, 3);

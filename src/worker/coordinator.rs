@@ -261,7 +261,7 @@ impl Coordinator {
     }
 
     /// Envoy destroyed the stream (complete, reset, or the client went away).
-    pub fn on_stream_done(&mut self, id: u32, env: &dyn Env) {
+    pub fn on_stream_done(&mut self, id: u32, view: &dyn StreamView, env: &dyn Env) {
         self.callback = Callback::Stream;
         if !self.restore.is_empty() {
             self.restore.remove(&id);
@@ -270,13 +270,14 @@ impl Coordinator {
             self.hops.retain(|h| !matches!(h, Command::Hop { stream, .. } if *stream == id));
         }
         let Some(entry) = self.streams.get_mut(&id) else { return };
-        let effects = entry.machine.on_stream_end();
+        let effects = entry.machine.on_stream_end(view);
         if entry.machine.is_settled() {
             self.streams.remove(&id);
         } else {
             entry.gone = true;
         }
-        self.apply(id, effects, true, env);
+        // Envoy wrote the stream's access log before it destroyed it: no outcome can reach it.
+        self.apply(id, effects, false, env);
     }
 
     /// The content type to give this stream's local answer as it passes the response callback
@@ -475,7 +476,11 @@ impl Coordinator {
                 }
                 // Entries outlive their pending begin, so this is not expected; never leak a lock.
                 (Call::Store(call), Ok(BeginAnswer::Locked { token })) => {
-                    effects.push(Effect::Store(StoreCall::Release { key: call.key().to_string(), token }));
+                    effects.push(Effect::Store(StoreCall::Release {
+                        key: call.key().to_string(),
+                        token,
+                        in_doubt: false,
+                    }));
                     false
                 }
                 _ => false,
@@ -652,7 +657,7 @@ impl Coordinator {
                         Routed::Done => {}
                     }
                 }
-                Effect::Upstream(call) => {
+                Effect::Upstream(call) | Effect::Lookup(call) => {
                     let job = self.job(stream, Call::Upstream(call));
                     self.submit(job, env);
                 }

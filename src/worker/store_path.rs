@@ -101,7 +101,10 @@ impl StorePath {
                 }
                 Routed::Done
             }
-            StoreCall::Release { key, token: LockToken::Local(owner) } => {
+            // An attempt run under the local lock in an outage is released even when its answer
+            // was lost: an in-doubt mark here would be this Envoy's alone, unseen by the others
+            // and gone with it (docs/operations.md, "When the outcome is unknown").
+            StoreCall::Release { key, token: LockToken::Local(owner), .. } => {
                 if let Some(f) = &mut self.fallback {
                     f.release(env, &key, owner, env.now_ms());
                 }
@@ -112,7 +115,7 @@ impl StorePath {
                     (StoreCall::Commit { key, token: LockToken::Store(token), body_hash, .. }, Some(f)) => {
                         f.sent(env, key, token, body_hash, env.now_ms())
                     }
-                    (StoreCall::Release { key, token: LockToken::Store(token) }, Some(f)) => {
+                    (StoreCall::Release { key, token: LockToken::Store(token), .. }, Some(f)) => {
                         f.released(env, key, token, env.now_ms())
                     }
                     _ => {}
@@ -182,7 +185,7 @@ impl StorePath {
                     retention_s,
                 }
             }
-            _ => StoreCall::Release { key, token },
+            _ => StoreCall::Release { key, token, in_doubt: false },
         };
         Some((outcome, call))
     }
@@ -210,7 +213,7 @@ impl StorePath {
             _ => false,
         };
         let next = call.after_fault(attempt).filter(|_| !kept)?;
-        if let (StoreCall::Release { key, token: LockToken::Store(token) }, Some(f)) =
+        if let (StoreCall::Release { key, token: LockToken::Store(token), .. }, Some(f)) =
             (&next, &mut self.fallback)
         {
             f.released(env, key, token, env.now_ms());

@@ -452,6 +452,7 @@ mod tests {
                 key: key.into(),
                 body_hash: "h".into(),
                 lock: crate::store::client::LockTerms { ttl_ms: 30_000, wait_ms: 300 },
+                hold: None,
             }),
         )
     }

@@ -115,6 +115,15 @@ INVALID = {
                                   ["store_statuses", "inbox"]),
     "inbox_with_fingerprint_headers": ({"store_cluster": "idemstore", "mode": "inbox",
                                         "fingerprint_headers": ["x-tenant"]}, ["fingerprint_headers", "inbox"]),
+    "unknown_outcome_unknown": ({"store_cluster": "idemstore", "unknown_outcome": "retry"},
+                                ["unknown_outcome", "run_again"]),
+    "outcome_lookup_without_store_key_header": ({"store_cluster": "idemstore",
+                                                 "outcome_lookup": {"path": "/orders/by-key/{key}"}},
+                                                ["outcome_lookup", "store_key_header"]),
+    "outcome_lookup_without_key": ({"store_cluster": "idemstore", "store_key_header": "x-k",
+                                    "outcome_lookup": {"path": "/orders/lookup"}}, ["outcome_lookup.path", "{key}"]),
+    "outcome_lookup_relative": ({"store_cluster": "idemstore", "store_key_header": "x-k",
+                                 "outcome_lookup": {"path": "orders/{key}"}}, ["outcome_lookup.path"]),
 }
 
 READY_DEADLINE = 15.0

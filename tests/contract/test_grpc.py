@@ -323,3 +323,21 @@ def test_on_redis_cluster_and_in_inbox_mode_calls_run_once(run_dir, artifacts, o
             if p is not None:
                 p.stop()
         cluster.stop()
+
+
+def test_a_call_whose_answer_was_lost_is_not_run_again_and_is_aborted(envoys, orders):
+    """`unknown_outcome: hold` (the default): a routed call whose client gave up (its deadline)
+    while the service ran it is in doubt; its retry runs nothing and gets `ABORTED` with
+    `outcome-unknown:` (not `UNAVAILABLE`, which clients retry by themselves)."""
+    envoy = envoys["noroute"]
+    key = h.new_key("grpc-lost")
+    in_doubt = envoy.counter("in_doubt")
+    first = g.create_order(port(envoys, "noroute"), key, metadata=SLOW, timeout=0.3)
+    assert first.code == grpc.StatusCode.DEADLINE_EXCEEDED, first
+    assert envoy.wait_counter("in_doubt", in_doubt + 1) == in_doubt + 1
+    h.wait_for(lambda: orders.executions(key=key) == 1, "the service ran the first call", timeout=10)
+    again = g.create_order(port(envoys, "noroute"), key)
+    assert again.code == grpc.StatusCode.ABORTED, again
+    assert again.details.startswith("outcome-unknown: "), again
+    assert again.message is None
+    assert orders.executions(key=key) == 1

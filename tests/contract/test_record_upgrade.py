@@ -10,19 +10,14 @@ import struct
 
 import pytest
 
+from support import harness
 from support.checks import REPLAY, assert_executed, assert_problem
 from support.harness import new_key
 from support.redis_cluster import command
 
 
 def store_key(subject: str, method: str, route: str, client_key: str) -> str:
-    """The filter's store key (src/key.rs): SHA-256 over the length-prefixed scope."""
-    h = hashlib.sha256(b"idempotency-key/v1")
-    for field in (subject, method, route, client_key):
-        data = field.encode()
-        h.update(struct.pack(">Q", len(data)))
-        h.update(data)
-    return h.hexdigest()
+    return harness.store_key(client_key, route, subject, method)
 
 
 def first_format(status: int, headers: list[tuple[str, str]], body: bytes) -> bytes:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from support import burst
 from support import harness as h
 from support.burst import assert_exactly_once, fire
@@ -200,12 +202,35 @@ def test_commit_is_off_the_critical_path(replica_set, upstream, note):
 # --------------------------------------------------------------------------------------------
 
 
+def test_expired_lock_keeps_the_key_in_doubt_until_the_late_record(replica_set, upstream):
+    """lock_ttl_ms 1000, A's upstream takes 2.5 s, `unknown_outcome: hold` (the default): after
+    the TTL a duplicate B on another replica finds A's trace without its lock and gets `409`
+    `outcome-unknown` instead of running; A finishes, its `late` commit stores the record and
+    resolves the key, and later retries on either replica replay A."""
+    rs = replica_set("lock-expiry-hold", envoys=2, stores=2, backend="redis", plugin={"lock_ttl_ms": 1000})
+    key = new_key("expiry-hold")
+    body = '{"item":"slow"}'
+    slow = [("x-test-sleep-ms", "2500")]
+    ta, oa = h.in_thread(lambda: rs.post(0, "/orders", body, key, headers=slow))
+    t_exec = wait_executing(upstream, key)  # A holds the lock since before this
+    sleep_until(t_exec + 1.3)               # past A's lock TTL (1 s)
+    b = rs.post(1, "/orders", body, key, headers=slow)
+    assert_problem(b, 409, raw_key=key, code="outcome-unknown")
+    a = h.joined(ta, oa)
+    assert_executed(a, 201)
+    assert rs.wait_counter(0, "stored", 1) == 1  # A's commit: late, and the key's record
+    for replica in (0, 1):
+        assert_replay_of(rs.post(replica, "/orders", body, key), a)
+    assert upstream.count(key=key) == 1
+
+
 def test_expired_lock_first_record_wins(replica_set, upstream):
-    """lock_ttl_ms 1000, A's upstream takes 2.5 s: after the TTL a duplicate B on another
-    replica takes the lock and runs too (exclusivity lost: the documented trade-off). A finishes
-    first and its record is stored (a `late` commit); B's commit finds it and is not stored; a
-    later retry replays A, not B."""
-    rs = replica_set("lock-expiry", envoys=2, stores=2, backend="redis", plugin={"lock_ttl_ms": 1000})
+    """lock_ttl_ms 1000, A's upstream takes 2.5 s, `unknown_outcome: run_again`: after the TTL a
+    duplicate B on another replica takes the lock and runs too (exclusivity lost: the documented
+    trade-off of `run_again`). A finishes first and its record is stored (a `late` commit); B's
+    commit finds it and is not stored; a later retry replays A, not B."""
+    rs = replica_set("lock-expiry", envoys=2, stores=2, backend="redis",
+                     plugin={"lock_ttl_ms": 1000, "unknown_outcome": "run_again"})
     key = new_key("expiry")
     body = '{"item":"slow"}'
     slow = [("x-test-sleep-ms", "2500")]
@@ -236,13 +261,17 @@ def test_expired_lock_first_record_wins(replica_set, upstream):
     assert upstream.count(key=key) == 2
 
 
-def test_orphaned_lock_after_envoy_killed(replica_set, upstream):
+@pytest.mark.parametrize("unknown_outcome", ["hold", "run_again"])
+def test_orphaned_lock_after_envoy_killed(replica_set, upstream, unknown_outcome):
     """An Envoy is SIGKILLed while its guarded request runs at the upstream: its lock is
-    orphaned. A retry on another replica before the TTL gets 409; after the TTL it runs exactly
-    once more, and a further retry replays that."""
+    orphaned. A retry on another replica before the TTL gets 409 (in flight). After the TTL,
+    under `hold` (the default) the store still has the attempt's trace: `409` `outcome-unknown`,
+    nothing runs again; under `run_again` it runs exactly once more, and a further retry replays
+    that."""
     ttl = 2.0
-    rs = replica_set("orphan", envoys=3, stores=2, backend="redis",
-                     plugin={"lock_ttl_ms": int(ttl * 1000), "lock_wait_ms": 300})
+    rs = replica_set(f"orphan-{unknown_outcome}", envoys=3, stores=2, backend="redis",
+                     plugin={"lock_ttl_ms": int(ttl * 1000), "lock_wait_ms": 300,
+                             "unknown_outcome": unknown_outcome})
     key = new_key("orphan")
     body = '{"item":"orphan"}'
     t, out = h.in_thread(lambda: rs.post(0, "/orders", body, key, headers=[("x-test-sleep-ms", "4000")]))
@@ -260,6 +289,10 @@ def test_orphaned_lock_after_envoy_killed(replica_set, upstream):
 
     sleep_until(t_exec + ttl + 0.3)
     retry = rs.post(2, "/orders", body, key)
+    if unknown_outcome == "hold":
+        assert_problem(retry, 409, raw_key=key, code="outcome-unknown")
+        assert upstream.count(key=key) == 1
+        return
     assert_executed(retry, 201)
     assert upstream.count(key=key) == 2  # exactly one more execution
     again = rs.post(1, "/orders", body, key)

@@ -187,6 +187,29 @@ def test_wrapper_sends_the_hop_header_to_the_filter(where, doc, wrapper):
             assert selects(wrapper, request), f"{where}: {request} skips the filter"
 
 
+def store_key_headers(cfg: dict | None) -> set[str]:
+    """Every `store_key_header` of the wrapped filter: its top level's and each policy's."""
+    cfg = cfg or {}
+    names = {cfg["store_key_header"]} if cfg.get("store_key_header") else set()
+    for policy in (cfg.get("routes") or {}).values():
+        if policy.get("store_key_header"):
+            names.add(policy["store_key_header"])
+    return names
+
+
+@pytest.mark.parametrize("where,doc,wrapper", SHIPPED, ids=[w for w, _, _ in SHIPPED])
+def test_wrapper_sends_a_client_sent_store_key_header_to_the_filter(where, doc, wrapper):
+    """The filter removes a store key header a client sends (the application must only ever get
+    the filter's): a request carrying it meets the filter whatever its method and key."""
+    names = store_key_headers(wrapped_config(wrapper))
+    if not names:
+        pytest.skip("no store_key_header")
+    for name in names:
+        for method in ["POST", "GET", "put"]:
+            request = {":method": method, ":path": "/orders", name: "0" * 64}
+            assert selects(wrapper, request), f"{where}: {request} reaches the app with its store key"
+
+
 def test_the_evaluator_bites():
     """The checks above fail on the wrapper as it was shipped before: methods matched exactly,
     no predicate for the hop header."""

@@ -1,7 +1,8 @@
 """Wasm VM resilience: upstream answers the filter cannot use (bytes that are not UTF-8, framing
 that lies, oversized or repeated headers, trailers, bodies cut short) leave the worker serving.
-Each answer either is stored and replayed byte for byte, or is passed on and its lock released
-(the retry runs again); no `wasm.*` failure counter moves and no panic is logged. A store that
+Each answer either is stored and replayed byte for byte, or is passed on and, as the upstream
+had the request and no usable answer came back, leaves the key in doubt (the retry gets `409`
+`outcome-unknown` and runs nothing); no `wasm.*` failure counter moves and no panic is logged. A store that
 answers garbage is the fault drill's
 (`failures/test_drills.py::test_drill_garbage_store_fails_open`). Every shipped Envoy config sets
 `failure_policy: FAIL_RELOAD`."""
@@ -34,6 +35,9 @@ class Answer:
     wire: bytes
     status: int | None  # what the client gets (None: the stream is reset, no answer)
     stored: bool  # a retry is a replay
+    # Not stored: the answer never came whole (the key is in doubt: the retry gets 409 and runs
+    # nothing), rather than whole but not one a record can keep (released: the retry runs).
+    lost: bool = False
 
 
 ANSWERS: dict[str, Answer] = {
@@ -61,16 +65,16 @@ ANSWERS: dict[str, Answer] = {
     # A large header outside the kept list: the record leaves it out.
     "header_50kb": Answer(framed(JSON_HEAD + b"x-junk: " + b"j" * 50000 + b"\r\n", b"{}"), 201, True),
     # Past Envoy's upstream header limit: Envoy answers 503 itself.
-    "header_too_large": Answer(framed(JSON_HEAD + b"x-junk: " + b"j" * 200000 + b"\r\n", b"{}"), 503, False),
+    "header_too_large": Answer(framed(JSON_HEAD + b"x-junk: " + b"j" * 200000 + b"\r\n", b"{}"), 503, False, lost=True),
     "chunked_with_trailers": Answer(JSON_HEAD + b"transfer-encoding: chunked\r\n\r\n"
                                     b"3\r\n{\"a\r\n4\r\n\":1}\r\n0\r\nx-trailer: t\r\n\r\n", 201, True),
     # The body is cut short (content-length promises more), or the chunk framing breaks: Envoy
     # resets the stream after the headers went out.
-    "body_cut_short": Answer(JSON_HEAD + b"content-length: 1000\r\n\r\n{\"id\":", 201, False),
-    "bad_chunk": Answer(JSON_HEAD + b"transfer-encoding: chunked\r\n\r\n3\r\n{\"a\r\nzz\r\n", 201, False),
+    "body_cut_short": Answer(JSON_HEAD + b"content-length: 1000\r\n\r\n{\"id\":", 201, False, lost=True),
+    "bad_chunk": Answer(JSON_HEAD + b"transfer-encoding: chunked\r\n\r\n3\r\n{\"a\r\nzz\r\n", 201, False, lost=True),
     # Not HTTP at all: Envoy's 503.
-    "not_http": Answer(b"\x16\x03\x01\x02\x00garbage\r\n\r\n", 503, False),
-    "close_without_answer": Answer(b"", 503, False),
+    "not_http": Answer(b"\x16\x03\x01\x02\x00garbage\r\n\r\n", 503, False, lost=True),
+    "close_without_answer": Answer(b"", 503, False, lost=True),
     # HTTP/1.0-style body delimited by the connection's close.
     "close_delimited_body": Answer(JSON_HEAD + b"connection: close\r\n\r\n{\"id\":10}", 201, True),
 }
@@ -175,11 +179,14 @@ def test_upstream_answer_the_filter_cannot_use(raw_stack, name):
     key = h.new_key(name)
     stored = envoy.counter("stored")
     released = envoy.counter("released")
+    in_doubt = envoy.counter("in_doubt")
     first = send(port, path, key)
     if answer.status is not None and answer.stored:
         assert first is not None and first.status == answer.status, first
     if answer.stored:
         envoy.wait_counter("stored", stored + 1)
+    elif answer.lost:
+        h.poll_until(lambda: envoy.counter("in_doubt"), in_doubt + 1, timeout=5)
     else:
         h.poll_until(lambda: envoy.counter("released"), released + 1, timeout=5)
     again = send(port, path, key)
@@ -191,6 +198,10 @@ def test_upstream_answer_the_filter_cannot_use(raw_stack, name):
             assert again.header(header) is None, (header, again)
         if name == "set_cookie":
             assert first.header_all("set-cookie") == ["session=abc; HttpOnly", "b=2"], first
+        assert up.count(path) == 1
+    elif answer.lost:
+        assert again is not None and again.status == 409, again
+        assert b'"code":"outcome-unknown"' in again.body, again
         assert up.count(path) == 1
     else:
         assert again is None or again.header(REPLAY) is None, again

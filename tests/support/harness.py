@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import http.client
 import itertools
+import hashlib
 import json
 import os
 import re
@@ -425,8 +426,9 @@ def store_transport_socket(ports: int | list[int]) -> dict | None:
     return tls.pop().transport_socket()
 
 
-def start_upstream(run_dir: Path) -> tuple[Proc, int]:
-    port = free_port()
+def start_upstream(run_dir: Path, port: int | None = None) -> tuple[Proc, int]:
+    """The counting upstream on `port` (default: a free one)."""
+    port = port or free_port()
     proc = start("upstream", [sys.executable, str(SUPPORT / "upstream.py"), "--port", str(port), "--quiet"], run_dir)
     await_ready(proc, lambda: http_get_status(port, "/__health")[0] == 200, "upstream /__health")
     return proc, port
@@ -1050,6 +1052,18 @@ def _request_chunked(port, method, path, chunks, headers, source, timeout, host)
         return Response(resp.status, [(k.lower(), v) for k, v in resp.getheaders()], data, time.monotonic() - t0)
     finally:
         conn.close()
+
+
+def store_key(client_key: str, route: str = "orders", subject: str = "anon:127.0.0.1",
+              method: str = "POST") -> str:
+    """The filter's store key (docs/configuration.md, "Keys and scope"): SHA-256 over the
+    length-prefixed subject, method, route and client key."""
+    d = hashlib.sha256(b"idempotency-key/v1")
+    for f in (subject, method, route, client_key):
+        b = f.encode()
+        d.update(len(b).to_bytes(8, "big"))
+        d.update(b)
+    return d.hexdigest()
 
 
 def new_key(prefix: str = "k") -> str:

@@ -12,7 +12,7 @@ from . import harness as h
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OUTCOMES = {
-    "begin": ["locked", "record", "mismatch", "busy", "expired", "error", "cancelled"],
+    "begin": ["locked", "record", "mismatch", "busy", "expired", "in-doubt", "error", "cancelled"],
     "commit": ["stored", "late", "exists", "error", "cancelled"],
     "release": ["released", "not-owner", "error", "cancelled"],
 }

@@ -13,6 +13,11 @@ with its method, path (query string included), the value of its ``Idempotency-Ke
   ``headers=1`` each execution also has ``headers``: the request headers as received, in order,
   as ``[name, value]`` pairs (names lower-cased), and ``version``, the request's HTTP version.
 * ``POST /__reset`` forgets everything.
+* ``GET /__committed/<store key>`` -> the answer of the execution that carried that store key in
+  ``x-idempotency-store-key`` (the filter's ``store_key_header`` in the tests) and completed its
+  work: the status and body it answered; ``404`` if none did: the application's side of the filter's ``outcome_lookup``. An execution completes its
+  work when its handler is done, whether or not its answer reaches anyone (a client that gave up,
+  Envoy's timeout); one with ``x-test-reset`` never does.
 
 How an execution answers is chosen per request by headers, so each test picks its own:
 
@@ -101,6 +106,8 @@ class State:
         # By key too: a whole suite leaves hundreds of thousands, and a count by key must not
         # scan them all under the lock every request waits for.
         self.by_key: dict[str, list[dict]] = {}
+        # Store key -> (status, content type, body) of the execution that completed its work.
+        self.committed: dict[str, tuple[int, str, bytes]] = {}
 
     def record(self, method: str, path: str, key: str, body: bytes,
                headers: list[list[str]] | None = None, version: str = "") -> dict:
@@ -160,10 +167,16 @@ class State:
             return sum(1 for e in self.by_key.get(ex["key"], [])
                        if e["path"] == ex["path"] and e["seq"] <= ex["seq"])
 
+    def commit(self, store_key: str, status: int, ctype: str, body: bytes) -> None:
+        if store_key:
+            with self.lock:
+                self.committed[store_key] = (status, ctype, body)
+
     def reset(self) -> None:
         with self.lock:
             self.executions.clear()
             self.by_key.clear()
+            self.committed.clear()
 
 
 STATE = State()
@@ -233,6 +246,15 @@ class Handler(testserver.Handler):
             self.reply_json(200, {"reset": True})
         elif url.path == "/__health":
             self.reply_json(200, {"ok": True})
+        elif url.path.startswith("/__committed/") and self.command == "GET":
+            with STATE.lock:
+                found = STATE.committed.get(url.path.removeprefix("/__committed/"))
+            if found is None:
+                self.reply_json(404, {"committed": False})
+            else:
+                # The answer the first attempt would have had, status and all.
+                status, ctype, out = found
+                self.reply(status, out, [("content-type", ctype)])
         else:
             self.reply_json(404, {"error": "unknown control endpoint"})
 
@@ -305,6 +327,8 @@ class Handler(testserver.Handler):
                 out = json.dumps(doc).encode()
         if not no_ctype:
             headers.append(("content-type", ctype or "application/json"))
+        # The work is done: an outcome lookup finds it from now on, answered or not.
+        STATE.commit(self.headers.get("x-idempotency-store-key", ""), status, ctype or "application/json", out)
         if self.headers.get("x-test-gzip"):
             out = gzip.compress(out, mtime=0)
             headers.append(("content-encoding", "gzip"))

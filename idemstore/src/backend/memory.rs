@@ -2,12 +2,14 @@
 //!
 //! # Bounded memory
 //!
-//! Two limits, whichever is reached first: at most `max_keys` keys hold a record or a lock,
-//! and those keys with their records are accounted at most `max_bytes`, each key at
-//! [`ENTRY_COST`] plus its record's length. The accounting is an upper bound of the heap the
-//! map really uses (`tests/memory_bound.rs` measures it with a counting allocator over a
-//! million keys), so `max_bytes` bounds this backend's memory whatever the records' sizes;
-//! `max_keys` alone would not (a million keys of 8 MiB records is 8 TiB).
+//! Two limits, whichever is reached first: at most `max_keys` keys hold a record or a lock
+//! (each trace of an attempt counts as one more key: they live in a map of their own, see
+//! [`TRACE_COST`]), and those keys with their records are accounted at most `max_bytes`, each
+//! key at [`ENTRY_COST`] plus its record's length, each trace at [`TRACE_COST`]. The
+//! accounting is an upper bound of the heap the map really uses (`tests/memory_bound.rs`
+//! measures it with a counting allocator over a million keys), so `max_bytes` bounds this
+//! backend's memory whatever the records' sizes; `max_keys` alone would not (a million keys of
+//! 8 MiB records is 8 TiB).
 //!
 //! # When full: refuse, never evict
 //!
@@ -35,8 +37,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::{
-    record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Inspection, LockInfo,
-    RecordInfo, ReleaseOutcome, Result, Usage,
+    now_ms, record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Hold, Inspection,
+    LockInfo, RecordInfo, ReleaseOutcome, Result, TraceInfo, Usage,
 };
 
 /// `--memory-max-keys` default.
@@ -48,6 +50,11 @@ pub const DEFAULT_MAX_BYTES: usize = 1 << 30;
 /// to 311 bytes a key just after the map doubled and 467 while it doubles (both tables live);
 /// the key, the body hash and a lock token take 160 more. 640 covers the worst instant.
 pub const ENTRY_COST: usize = 640;
+/// What one trace costs, as accounted against `max_bytes` (and it counts as a key against
+/// `max_keys`). Traces live in a map of their own, so that keys without one (every key of a
+/// filter that keeps none) do not pay for it: a slot of that map is smaller than one of the
+/// records' (a token, a body hash and a few numbers), so the records' measured cost bounds it.
+pub const TRACE_COST: usize = ENTRY_COST;
 /// A full map is swept at most this often on demand; expired keys wait for the next sweep.
 pub const FULL_SWEEP_GAP: Duration = Duration::from_millis(100);
 
@@ -59,9 +66,11 @@ pub struct MemoryBackend {
 #[derive(Debug)]
 struct Inner {
     entries: HashMap<String, Entry>,
+    /// The traces of attempts begun with a hold, by store key.
+    traces: HashMap<String, Trace>,
     max_keys: usize,
     max_bytes: usize,
-    /// `entries.len() * ENTRY_COST` plus the records' lengths.
+    /// `entries.len() * ENTRY_COST` plus the records' lengths, plus `traces.len() * TRACE_COST`.
     bytes: usize,
     /// Nothing in the map expires before this (a lower bound, exact after each sweep): a full
     /// map sweeps only once it has passed.
@@ -87,6 +96,26 @@ struct Record {
 struct Lock {
     token: String,
     expires: Instant,
+}
+
+#[derive(Debug)]
+struct Trace {
+    token: String,
+    /// When the attempt began, on the wall clock (milliseconds since the Unix epoch)...
+    started_ms: u64,
+    /// ...and on the monotonic one, with its lock's TTL: it may run until `started + lock_ttl`.
+    started: Instant,
+    lock_ttl: Duration,
+    body_hash: String,
+    expires: Instant,
+}
+
+impl Trace {
+    /// How long the attempt may still be running, in whole milliseconds rounded up.
+    fn running(&self, now: Instant) -> Duration {
+        let left = (self.started + self.lock_ttl).saturating_duration_since(now);
+        Duration::from_millis(u64::try_from(left.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX))
+    }
 }
 
 impl Entry {
@@ -135,8 +164,39 @@ impl Inner {
         }
     }
 
+    /// The live trace of `key`, if any, after dropping an expired one.
+    fn live_trace(&mut self, key: &str, now: Instant) -> Option<&Trace> {
+        if self.traces.get(key).is_some_and(|t| t.expires <= now) {
+            self.remove_trace(key);
+        }
+        self.traces.get(key)
+    }
+
+    /// Deletes `key`'s trace; whether there was one.
+    fn remove_trace(&mut self, key: &str) -> bool {
+        let removed = self.traces.remove(key).is_some();
+        if removed {
+            self.bytes -= TRACE_COST;
+        }
+        removed
+    }
+
+    /// Deletes `key`'s live trace if its token is `token`; whether it did.
+    fn remove_trace_of(&mut self, key: &str, token: &str, now: Instant) -> bool {
+        self.live_trace(key, now).is_some_and(|t| t.token == token) && self.remove_trace(key)
+    }
+
+    /// Whether a live lock holds `key` (its entry's expired parts dropped).
+    fn locked(&mut self, key: &str, now: Instant) -> bool {
+        self.live(key, now).is_some_and(|e| e.lock.is_some())
+    }
+
+    fn keys(&self) -> usize {
+        self.entries.len() + self.traces.len()
+    }
+
     fn fits(&self, keys: usize, bytes: usize) -> bool {
-        self.entries.len().saturating_add(keys) <= self.max_keys
+        self.keys().saturating_add(keys) <= self.max_keys
             && self.bytes.saturating_add(bytes) <= self.max_bytes
     }
 
@@ -181,6 +241,14 @@ impl Inner {
             next = next.into_iter().chain(entry.next_expiry()).min();
             true
         });
+        self.traces.retain(|_, trace| {
+            if trace.expires <= now {
+                freed += TRACE_COST;
+                return false;
+            }
+            next = Some(next.map_or(trace.expires, |n| n.min(trace.expires)));
+            true
+        });
         self.bytes -= freed;
         self.next_expiry = next;
     }
@@ -198,6 +266,7 @@ impl MemoryBackend {
     pub fn with_limits(max_keys: usize, max_bytes: usize) -> Self {
         let inner = Inner {
             entries: HashMap::new(),
+            traces: HashMap::new(),
             max_keys,
             max_bytes,
             bytes: 0,
@@ -222,16 +291,17 @@ impl MemoryBackend {
         })
     }
 
-    /// Keys currently held (records or locks), expired ones included until swept.
+    /// Keys currently held (records or locks) plus traces, expired ones included until swept.
     pub fn len(&self) -> usize {
-        lock(&self.inner).entries.len()
+        lock(&self.inner).keys()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// The bytes accounted against `max_bytes`: [`ENTRY_COST`] per key plus the records.
+    /// The bytes accounted against `max_bytes`: [`ENTRY_COST`] per key plus the records, and
+    /// [`TRACE_COST`] per trace.
     pub fn accounted_bytes(&self) -> usize {
         lock(&self.inner).bytes
     }
@@ -253,6 +323,7 @@ impl Backend for MemoryBackend {
         body_hash: &str,
         token: &str,
         lock_ttl: Duration,
+        hold: Option<Hold<'_>>,
     ) -> Result<Attempt> {
         let now = Instant::now();
         let mut inner = lock(&self.inner);
@@ -264,15 +335,48 @@ impl Backend for MemoryBackend {
                     Attempt::Mismatch
                 });
             }
-            if let Some(held) = &entry.lock {
-                return Ok(Attempt::Held { remaining: Some(held.expires.saturating_duration_since(now)) });
+        }
+        if let Some(superseded) = hold.and_then(|h| h.supersede) {
+            if !inner.locked(key, now) {
+                inner.remove_trace_of(key, superseded, now);
             }
         }
-        // A live entry has a record or a lock: this key is new.
-        inner.make_room(now, 1, ENTRY_COST)?;
+        if let Some(held) = inner.live(key, now).and_then(|e| e.lock.as_ref()) {
+            return Ok(Attempt::Held { remaining: Some(held.expires.saturating_duration_since(now)) });
+        }
+        if hold.is_some() {
+            if let Some(trace) = inner.live_trace(key, now) {
+                return Ok(if trace.body_hash == body_hash {
+                    Attempt::InDoubt {
+                        token: trace.token.clone(),
+                        started_ms: trace.started_ms,
+                        running: trace.running(now),
+                    }
+                } else {
+                    Attempt::Mismatch
+                });
+            }
+        }
+        // A live entry has a record or a lock: this key is new (and, with a hold, has no trace).
+        let keys = 1 + usize::from(hold.is_some());
+        inner.make_room(now, keys, ENTRY_COST + if hold.is_some() { TRACE_COST } else { 0 })?;
         let expires = now + lock_ttl;
         inner.entry(key).lock = Some(Lock { token: token.to_owned(), expires });
         inner.expires_at(expires);
+        if let Some(hold) = hold {
+            let expires = now + hold.retention.max(lock_ttl);
+            let trace = Trace {
+                token: token.to_owned(),
+                started_ms: now_ms(),
+                started: now,
+                lock_ttl,
+                body_hash: body_hash.to_owned(),
+                expires,
+            };
+            inner.traces.insert(key.to_owned(), trace);
+            inner.bytes += TRACE_COST;
+            inner.expires_at(expires);
+        }
         Ok(Attempt::Locked)
     }
 
@@ -286,22 +390,31 @@ impl Backend for MemoryBackend {
     ) -> Result<CommitOutcome> {
         let now = Instant::now();
         let mut inner = lock(&self.inner);
-        let (exists, owned) = match inner.live(key, now) {
-            None => (false, false),
+        let (exists, owned, recorded) = match inner.live(key, now) {
+            None => (false, false, false),
             Some(entry) => {
                 let owned = entry.lock.as_ref().is_some_and(|l| l.token == token);
-                if entry.record.is_some() {
-                    if owned {
-                        entry.lock = None;
-                    }
-                    return Ok(CommitOutcome::Exists);
+                let recorded = entry.record.is_some();
+                if recorded && owned {
+                    entry.lock = None;
                 }
-                (true, owned)
+                (true, owned, recorded)
             }
         };
+        if recorded {
+            // The first record stands, and it supersedes any trace.
+            inner.remove_trace(key);
+            return Ok(CommitOutcome::Exists);
+        }
         // Checked before anything changes: a refused commit leaves the lock to its owner's
         // release (or its TTL), like any failed commit.
-        let (keys, bytes) = if exists { (0, record.len()) } else { (1, ENTRY_COST + record.len()) };
+        // The trace this commit deletes makes room for it.
+        let (keys, bytes): (usize, usize) =
+            if exists { (0, record.len()) } else { (1, ENTRY_COST + record.len()) };
+        let (keys, bytes) = match inner.live_trace(key, now) {
+            Some(_) => (keys.saturating_sub(1), bytes.saturating_sub(TRACE_COST)),
+            None => (keys, bytes),
+        };
         inner.make_room(now, keys, bytes)?;
         // A copy, not the `Bytes` received: that one can be a slice of the connection's read
         // buffer (8 KiB and more for HTTP/1.1 and h2), which it would keep alive for the
@@ -315,24 +428,29 @@ impl Backend for MemoryBackend {
         }
         entry.record = Some(Record { body_hash: body_hash.to_owned(), bytes, expires });
         inner.expires_at(expires);
+        // A record supersedes the trace: the attempt's outcome is known now.
+        inner.remove_trace(key);
         Ok(if owned { CommitOutcome::Stored } else { CommitOutcome::Late })
     }
 
-    async fn release(&self, key: &str, token: &str) -> Result<ReleaseOutcome> {
+    async fn release(&self, key: &str, token: &str, in_doubt: bool) -> Result<ReleaseOutcome> {
         let now = Instant::now();
         let mut inner = lock(&self.inner);
-        let Some(entry) = inner.live(key, now) else {
-            return Ok(ReleaseOutcome::NotOwner);
-        };
-        let owned = entry.lock.as_ref().is_some_and(|l| l.token == token);
-        if !owned {
-            return Ok(ReleaseOutcome::NotOwner);
+        let mut released = false;
+        if let Some(entry) = inner.live(key, now) {
+            if entry.lock.as_ref().is_some_and(|l| l.token == token) {
+                entry.lock = None;
+                if entry.record.is_none() {
+                    inner.remove(key);
+                }
+                released = true;
+            }
         }
-        entry.lock = None;
-        if entry.record.is_none() {
-            inner.remove(key);
+        // Not sent, or sent and answered without a record: the attempt left nothing to doubt.
+        if !in_doubt && inner.remove_trace_of(key, token, now) {
+            released = true;
         }
-        Ok(ReleaseOutcome::Released)
+        Ok(if released { ReleaseOutcome::Released } else { ReleaseOutcome::NotOwner })
     }
 
     async fn health(&self) -> Result<()> {
@@ -342,8 +460,15 @@ impl Backend for MemoryBackend {
     async fn inspect(&self, key: &str) -> Result<Inspection> {
         let now = Instant::now();
         let mut inner = lock(&self.inner);
+        let trace = inner.live_trace(key, now).map(|t| TraceInfo {
+            token: t.token.clone(),
+            started_ms: t.started_ms,
+            lock_ttl: t.lock_ttl,
+            body_hash: t.body_hash.clone(),
+            ttl: Some(t.expires.saturating_duration_since(now)),
+        });
         let Some(entry) = inner.live(key, now) else {
-            return Ok(Inspection::default());
+            return Ok(Inspection { trace, ..Inspection::default() });
         };
         let record = entry.record.as_ref().map(|r| RecordInfo {
             body_hash: r.body_hash.clone(),
@@ -353,16 +478,17 @@ impl Backend for MemoryBackend {
         });
         let lock =
             entry.lock.as_ref().map(|l| LockInfo { ttl: Some(l.expires.saturating_duration_since(now)) });
-        Ok(Inspection { record, lock })
+        Ok(Inspection { record, lock, trace })
     }
 
     async fn delete(&self, key: &str) -> Result<Deleted> {
         let now = Instant::now();
         let mut inner = lock(&self.inner);
+        let trace = inner.live_trace(key, now).is_some() && inner.remove_trace(key);
         let Some(entry) = inner.live(key, now) else {
-            return Ok(Deleted::default());
+            return Ok(Deleted { trace, ..Deleted::default() });
         };
-        let deleted = Deleted { record: entry.record.is_some(), lock: entry.lock.is_some() };
+        let deleted = Deleted { record: entry.record.is_some(), lock: entry.lock.is_some(), trace };
         inner.remove(key);
         Ok(deleted)
     }
@@ -371,9 +497,15 @@ impl Backend for MemoryBackend {
         let now = Instant::now();
         let inner = lock(&self.inner);
         let mut counts = Counts::default();
+        let locked = |key: &str| {
+            inner.entries.get(key).is_some_and(|e| e.lock.as_ref().is_some_and(|l| l.expires > now))
+        };
         for entry in inner.entries.values() {
             counts.records += u64::from(entry.record.as_ref().is_some_and(|r| r.expires > now));
             counts.locks += u64::from(entry.lock.as_ref().is_some_and(|l| l.expires > now));
+        }
+        for (key, trace) in &inner.traces {
+            counts.in_doubt += u64::from(trace.expires > now && !locked(key));
         }
         Ok(counts)
     }
@@ -385,13 +517,12 @@ impl Backend for MemoryBackend {
             e.record.as_ref().is_some_and(|r| r.expires > now)
                 || e.lock.as_ref().is_some_and(|l| l.expires > now)
         };
-        let mut keys: Vec<String> = inner
-            .entries
-            .iter()
-            .filter(|(k, e)| k.starts_with(prefix) && live(e))
-            .map(|(k, _)| k.clone())
-            .collect();
+        let entries = inner.entries.iter().filter(|(k, e)| k.starts_with(prefix) && live(e)).map(|(k, _)| k);
+        let traces =
+            inner.traces.iter().filter(|(k, t)| k.starts_with(prefix) && t.expires > now).map(|(k, _)| k);
+        let mut keys: Vec<String> = entries.chain(traces).cloned().collect();
         keys.sort_unstable();
+        keys.dedup();
         keys.truncate(limit);
         Ok(keys)
     }
@@ -399,7 +530,7 @@ impl Backend for MemoryBackend {
     fn usage(&self) -> Option<Usage> {
         let inner = lock(&self.inner);
         Some(Usage {
-            keys: inner.entries.len(),
+            keys: inner.keys(),
             bytes: inner.bytes,
             max_keys: inner.max_keys,
             max_bytes: inner.max_bytes,
@@ -425,18 +556,18 @@ mod tests {
     #[tokio::test]
     async fn key_limit_answers_full_until_space_frees() {
         let backend = MemoryBackend::new(2);
-        assert_eq!(backend.try_begin("k1", HASH, "t1", TTL).await, Ok(Attempt::Locked));
-        assert_eq!(backend.try_begin("k2", HASH, "t2", TTL).await, Ok(Attempt::Locked));
-        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL).await, Err(BackendError::Full));
+        assert_eq!(backend.try_begin("k1", HASH, "t1", TTL, None).await, Ok(Attempt::Locked));
+        assert_eq!(backend.try_begin("k2", HASH, "t2", TTL, None).await, Ok(Attempt::Locked));
+        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Err(BackendError::Full));
         // A late commit for a new key is bounded the same way.
         let late = backend.commit("k3", "t3", HASH, Bytes::new(), TTL).await;
         assert_eq!(late, Err(BackendError::Full));
         // Keys already present keep working when full.
-        assert!(matches!(backend.try_begin("k1", HASH, "t9", TTL).await, Ok(Attempt::Held { .. })));
+        assert!(matches!(backend.try_begin("k1", HASH, "t9", TTL, None).await, Ok(Attempt::Held { .. })));
         let stored = backend.commit("k1", "t1", HASH, Bytes::new(), TTL).await;
         assert_eq!(stored, Ok(CommitOutcome::Stored));
-        assert_eq!(backend.release("k2", "t2").await, Ok(ReleaseOutcome::Released));
-        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL).await, Ok(Attempt::Locked));
+        assert_eq!(backend.release("k2", "t2", false).await, Ok(ReleaseOutcome::Released));
+        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Ok(Attempt::Locked));
         assert_eq!(backend.len(), 2);
     }
 
@@ -444,49 +575,49 @@ mod tests {
     async fn full_map_sweeps_expired_entries_first() {
         let backend = MemoryBackend::new(2);
         let short = Duration::from_millis(20);
-        backend.try_begin("k1", HASH, "t1", short).await.ok();
+        backend.try_begin("k1", HASH, "t1", short, None).await.ok();
         backend.commit("k2", "t2", HASH, Bytes::new(), short).await.ok();
         tokio::time::sleep(Duration::from_millis(40)).await;
-        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL).await, Ok(Attempt::Locked));
+        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Ok(Attempt::Locked));
         assert_eq!(backend.len(), 1);
     }
 
     #[tokio::test]
     async fn locks_and_live_records_are_never_evicted() {
         let backend = MemoryBackend::new(2);
-        backend.try_begin("held", HASH, "t1", TTL).await.ok();
+        backend.try_begin("held", HASH, "t1", TTL, None).await.ok();
         backend.commit("stored", "t2", HASH, Bytes::from_static(b"r"), TTL).await.ok();
         for i in 0..10 {
-            let refused = backend.try_begin(&format!("new{i}"), HASH, "t", TTL).await;
+            let refused = backend.try_begin(&format!("new{i}"), HASH, "t", TTL, None).await;
             assert_eq!(refused, Err(BackendError::Full));
         }
         // The lock still excludes duplicates, its owner still commits, the record replays.
-        assert!(matches!(backend.try_begin("held", HASH, "t9", TTL).await, Ok(Attempt::Held { .. })));
+        assert!(matches!(backend.try_begin("held", HASH, "t9", TTL, None).await, Ok(Attempt::Held { .. })));
         let r = Bytes::from_static(b"mine");
         assert_eq!(backend.commit("held", "t1", HASH, r.clone(), TTL).await, Ok(CommitOutcome::Stored));
-        assert_eq!(replayed(backend.try_begin("held", HASH, "t9", TTL).await), Some(r));
-        let stored = backend.try_begin("stored", HASH, "t9", TTL).await;
+        assert_eq!(replayed(backend.try_begin("held", HASH, "t9", TTL, None).await), Some(r));
+        let stored = backend.try_begin("stored", HASH, "t9", TTL, None).await;
         assert_eq!(replayed(stored), Some(Bytes::from_static(b"r")));
     }
 
     #[tokio::test]
     async fn byte_budget_refuses_what_does_not_fit_and_changes_nothing() {
         let backend = MemoryBackend::with_limits(100, 2 * ENTRY_COST + 10);
-        assert_eq!(backend.try_begin("k1", HASH, "t1", TTL).await, Ok(Attempt::Locked));
-        assert_eq!(backend.try_begin("k2", HASH, "t2", TTL).await, Ok(Attempt::Locked));
+        assert_eq!(backend.try_begin("k1", HASH, "t1", TTL, None).await, Ok(Attempt::Locked));
+        assert_eq!(backend.try_begin("k2", HASH, "t2", TTL, None).await, Ok(Attempt::Locked));
         assert_eq!(backend.accounted_bytes(), 2 * ENTRY_COST);
         // No room for a third key, nor for an 11-byte record.
-        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL).await, Err(BackendError::Full));
+        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Err(BackendError::Full));
         let big = Bytes::from_static(b"eleven byte");
         assert_eq!(backend.commit("k1", "t1", HASH, big, TTL).await, Err(BackendError::Full));
         // The refused commit kept the lock: its owner can release it, or commit what fits.
-        assert!(matches!(backend.try_begin("k1", HASH, "t9", TTL).await, Ok(Attempt::Held { .. })));
+        assert!(matches!(backend.try_begin("k1", HASH, "t9", TTL, None).await, Ok(Attempt::Held { .. })));
         let ten = Bytes::from_static(b"ten bytes!");
         assert_eq!(backend.commit("k1", "t1", HASH, ten, TTL).await, Ok(CommitOutcome::Stored));
         assert_eq!(backend.accounted_bytes(), 2 * ENTRY_COST + 10);
-        assert_eq!(backend.release("k2", "t2").await, Ok(ReleaseOutcome::Released));
+        assert_eq!(backend.release("k2", "t2", false).await, Ok(ReleaseOutcome::Released));
         assert_eq!(backend.accounted_bytes(), ENTRY_COST + 10);
-        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL).await, Ok(Attempt::Locked));
+        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Ok(Attempt::Locked));
     }
 
     #[tokio::test]
@@ -494,13 +625,13 @@ mod tests {
         let backend = MemoryBackend::new(10);
         let short = Duration::from_millis(20);
         backend.commit("k1", "t", HASH, Bytes::from_static(b"12345"), short).await.ok();
-        backend.try_begin("k2", HASH, "t", short).await.ok();
+        backend.try_begin("k2", HASH, "t", short, None).await.ok();
         backend.commit("k3", "t", HASH, Bytes::from_static(b"123"), TTL).await.ok();
         assert_eq!(backend.accounted_bytes(), 3 * ENTRY_COST + 8);
         tokio::time::sleep(Duration::from_millis(40)).await;
         backend.sweep();
         assert_eq!(backend.accounted_bytes(), ENTRY_COST + 3);
-        backend.release("k3", "t").await.ok();
+        backend.release("k3", "t", false).await.ok();
         assert_eq!(backend.accounted_bytes(), ENTRY_COST + 3, "a record outlives a release");
     }
 
@@ -508,14 +639,14 @@ mod tests {
     async fn full_map_scans_only_once_something_can_have_expired() {
         let backend = MemoryBackend::new(2);
         let short = Duration::from_millis(30);
-        backend.try_begin("k1", HASH, "t1", TTL).await.ok();
-        backend.try_begin("k2", HASH, "t2", short).await.ok();
+        backend.try_begin("k1", HASH, "t1", TTL, None).await.ok();
+        backend.try_begin("k2", HASH, "t2", short, None).await.ok();
         for _ in 0..100 {
-            assert_eq!(backend.try_begin("k3", HASH, "t3", TTL).await, Err(BackendError::Full));
+            assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Err(BackendError::Full));
         }
         assert_eq!(lock(&backend.inner).full_sweep, None, "nothing had expired: no scan");
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL).await, Ok(Attempt::Locked));
+        assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Ok(Attempt::Locked));
         let inner = lock(&backend.inner);
         assert!(inner.full_sweep.is_some());
         assert!(inner.next_expiry.is_some_and(|at| at > Instant::now() + Duration::from_secs(20)));
@@ -526,7 +657,7 @@ mod tests {
         let backend = MemoryBackend::new(10);
         let sweeper = backend.spawn_sweeper(Duration::from_millis(10));
         let short = Duration::from_millis(30);
-        backend.try_begin("k1", HASH, "t1", short).await.ok();
+        backend.try_begin("k1", HASH, "t1", short, None).await.ok();
         backend.commit("k2", "t2", HASH, Bytes::from_static(b"r"), short).await.ok();
         backend.commit("k3", "t3", HASH, Bytes::from_static(b"r"), TTL).await.ok();
         assert_eq!(backend.len(), 3);
@@ -542,7 +673,7 @@ mod tests {
         let backend = MemoryBackend::new(10);
         let short = Duration::from_millis(20);
         backend.commit("k", "t", HASH, Bytes::from_static(b"r"), short).await.ok();
-        match backend.try_begin("k", HASH, "t2", TTL).await {
+        match backend.try_begin("k", HASH, "t2", TTL, None).await {
             Ok(Attempt::Record(bytes, Some(left))) => {
                 assert_eq!(bytes, Bytes::from_static(b"r"));
                 assert!(left <= short, "the record's remaining lifetime: {left:?}");
@@ -550,6 +681,37 @@ mod tests {
             other => panic!("expected the record, got {other:?}"),
         }
         tokio::time::sleep(Duration::from_millis(40)).await;
-        assert_eq!(backend.try_begin("k", HASH, "t2", TTL).await, Ok(Attempt::Locked));
+        assert_eq!(backend.try_begin("k", HASH, "t2", TTL, None).await, Ok(Attempt::Locked));
+    }
+
+    #[tokio::test]
+    async fn traces_are_keys_accounted_and_swept() {
+        let backend = MemoryBackend::with_limits(3, 3 * ENTRY_COST + 10);
+        let hold = Some(Hold { retention: Duration::from_millis(40), supersede: None });
+        let short = Duration::from_millis(20);
+        assert_eq!(backend.try_begin("k1", HASH, "t1", short, hold).await, Ok(Attempt::Locked));
+        // A lock and a trace: two keys' worth.
+        assert_eq!((backend.len(), backend.accounted_bytes()), (2, ENTRY_COST + TRACE_COST));
+        // No room for another lock and its trace; a lock alone fits.
+        assert_eq!(backend.try_begin("k2", HASH, "t2", TTL, hold).await, Err(BackendError::Full));
+        assert_eq!(backend.try_begin("k2", HASH, "t2", TTL, None).await, Ok(Attempt::Locked));
+        assert_eq!(backend.release("k2", "t2", false).await, Ok(ReleaseOutcome::Released));
+        // Released in doubt: the trace alone stays.
+        assert_eq!(backend.release("k1", "t1", true).await, Ok(ReleaseOutcome::Released));
+        assert_eq!((backend.len(), backend.accounted_bytes()), (1, TRACE_COST));
+        let in_doubt = backend.try_begin("k1", HASH, "t3", TTL, hold).await;
+        assert!(matches!(in_doubt, Ok(Attempt::InDoubt { ref token, .. }) if token == "t1"), "{in_doubt:?}");
+        // The late commit that resolves it fits where the trace was, and deletes it.
+        let late = backend.commit("k1", "t1", HASH, Bytes::from_static(b"r"), TTL).await;
+        assert_eq!(late, Ok(CommitOutcome::Late));
+        assert_eq!((backend.len(), backend.accounted_bytes()), (1, ENTRY_COST + 1));
+        // A trace expires like the rest: it lives max(retention, lock TTL), then is swept.
+        backend.try_begin("k4", HASH, "t4", short, hold).await.ok();
+        backend.release("k4", "t4", true).await.ok();
+        assert_eq!(backend.accounted_bytes(), ENTRY_COST + 1 + TRACE_COST);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        backend.sweep();
+        assert_eq!((backend.len(), backend.accounted_bytes()), (1, ENTRY_COST + 1));
+        assert_eq!(backend.try_begin("k4", HASH, "t5", TTL, hold).await, Ok(Attempt::Locked));
     }
 }

@@ -2,10 +2,29 @@
 //! caller's business ([`crate::store::Store`]), so every backend gets the same long-poll.
 //!
 //! Owns the [`Backend`] interface and what its operations answer ([`Attempt`],
-//! [`BackendError`], the operator's [`Inspection`], [`Deleted`] and [`Counts`]), and reads a
-//! record's status ([`record_status`]). The implementations are [`memory`] and [`redis`] (with
-//! [`pubsub`], its wake-ups across instances); they use this interface, which uses none of
-//! them. Uses only [`crate::waiters`], where a backend forwards other instances' wake-ups.
+//! [`BackendError`], the operator's [`Inspection`], [`Deleted`] and [`Counts`]), what a `begin`
+//! that keeps a trace of its attempt asks for ([`Hold`]), and reads a record's status
+//! ([`record_status`]). The implementations are [`memory`] and [`redis`] (with [`pubsub`], its
+//! wake-ups across instances); they use this interface, which uses none of them. Uses only
+//! [`crate::waiters`], where a backend forwards other instances' wake-ups.
+//!
+//! # Traces: attempts whose outcome is unknown
+//!
+//! A `begin` with a [`Hold`] keeps a *trace* of the attempt it locks for: its token, when it
+//! began (the store's clock, milliseconds since the Unix epoch), its lock TTL and its body
+//! hash, for `max(retention, lock TTL)`. The trace outlives the lock, so that an attempt sent
+//! to the application whose answer never came back (a timeout, a reset, an Envoy that died) is
+//! not run again blindly. Per key, in one atomic step each (both backends):
+//!
+//! - `try_begin` with a hold: a record answers as always; then, with `supersede = Some(t)`, a
+//!   trace of token `t` is deleted when no lock is held; a held lock answers
+//!   [`Attempt::Held`]; a trace without a lock answers [`Attempt::InDoubt`] (or
+//!   [`Attempt::Mismatch`] for another body hash) and takes no lock; else the lock is taken and
+//!   the trace written. Without a hold, traces are neither read nor written.
+//! - `commit` deletes the key's trace whatever its outcome (a record supersedes it).
+//! - `release` drops the lock the token owns and, unless `in_doubt`, the trace of the same
+//!   token (the attempt never reached the application).
+//! - the operator's `delete` deletes the trace too.
 
 use std::future::Future;
 use std::sync::Weak;
@@ -36,6 +55,27 @@ pub enum Attempt {
     Locked,
     /// Another token holds the lock, for about `remaining` more (`None`: unknown).
     Held { remaining: Option<Duration> },
+    /// (with a [`Hold`] only) An earlier attempt with this body hash began and its outcome is
+    /// unknown: its trace is there and no lock is held. No lock was taken.
+    InDoubt {
+        /// The earlier attempt's token.
+        token: String,
+        /// When it began, in milliseconds since the Unix epoch (the store's clock).
+        started_ms: u64,
+        /// How long it may still be running: its start plus its lock TTL, less now, in whole
+        /// milliseconds rounded up; zero once that has passed.
+        running: Duration,
+    },
+}
+
+/// What a `begin` that keeps a trace of its attempt asks for (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hold<'a> {
+    /// How long the trace lives at least: it lives `max(retention, lock TTL)`.
+    pub retention: Duration,
+    /// The token of an in-doubt attempt whose trace to delete first, when no lock is held (the
+    /// application answered that it never committed).
+    pub supersede: Option<&'a str>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -132,7 +172,7 @@ pub type Result<T> = std::result::Result<T, BackendError>;
 /// What a backend that keeps its data in this process holds, for `/metrics`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
-    /// Keys holding a record or a lock, expired ones included until swept.
+    /// Keys holding a record or a lock, plus traces, expired ones included until swept.
     pub keys: usize,
     /// Bytes accounted against `max_bytes`.
     pub bytes: usize,
@@ -146,11 +186,18 @@ pub struct Usage {
 pub struct Inspection {
     pub record: Option<RecordInfo>,
     pub lock: Option<LockInfo>,
+    pub trace: Option<TraceInfo>,
 }
 
 impl Inspection {
     pub fn is_empty(&self) -> bool {
-        self.record.is_none() && self.lock.is_none()
+        self.record.is_none() && self.lock.is_none() && self.trace.is_none()
+    }
+
+    /// A trace and nothing else: an attempt began, no answer was stored and none holds the
+    /// lock. A `begin` with a hold answers `in-doubt`.
+    pub fn in_doubt(&self) -> bool {
+        self.trace.is_some() && self.lock.is_none() && self.record.is_none()
     }
 }
 
@@ -173,18 +220,36 @@ pub struct LockInfo {
     pub ttl: Option<Duration>,
 }
 
+/// The trace of an attempt begun with a [`Hold`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceInfo {
+    /// The attempt's lock token.
+    pub token: String,
+    /// When it began, in milliseconds since the Unix epoch (the store's clock).
+    pub started_ms: u64,
+    /// Its lock's TTL: it may run until `started_ms` plus this.
+    pub lock_ttl: Duration,
+    /// The hash of its request body (64 lowercase hex).
+    pub body_hash: String,
+    /// How long the trace still lives; `None`: no expiry (set by hand).
+    pub ttl: Option<Duration>,
+}
+
 /// What [`Backend::delete`] deleted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Deleted {
     pub record: bool,
     pub lock: bool,
+    pub trace: bool,
 }
 
-/// Records and locks in the whole backend ([`Backend::counts`]).
+/// Records, locks and in-doubt keys in the whole backend ([`Backend::counts`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counts {
     pub records: u64,
     pub locks: u64,
+    /// Keys with a trace and no lock ([`Inspection::in_doubt`]).
+    pub in_doubt: u64,
 }
 
 /// The bytes of a record's head that [`record_status`] reads: the filter's magic and status.
@@ -201,6 +266,14 @@ pub fn record_status(head: &[u8]) -> Option<u16> {
     }
 }
 
+/// Now on this host's wall clock, in milliseconds since the Unix epoch (0 before it): the
+/// in-memory backend's clock for traces, and what the operator's tools compare them to.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 fn no_tools() -> BackendError {
     BackendError::Unavailable("this backend has no operator tools".into())
 }
@@ -208,16 +281,20 @@ fn no_tools() -> BackendError {
 /// Keys and hashes arrive validated (64 lowercase hex), tokens as `is_token` allows.
 pub trait Backend: Send + Sync + 'static {
     /// Lookup-or-lock: the record for `key` if any, else the lock for `token` with `lock_ttl`,
-    /// else how long the current holder still has.
+    /// else how long the current holder still has. With `hold`, also the trace's rules (see
+    /// the module doc): an in-doubt earlier attempt answers [`Attempt::InDoubt`], and a lock
+    /// taken leaves a trace.
     fn try_begin(
         &self,
         key: &str,
         body_hash: &str,
         token: &str,
         lock_ttl: Duration,
+        hold: Option<Hold<'_>>,
     ) -> impl Future<Output = Result<Attempt>> + Send;
 
-    /// Releases the lock if `token` owns it; stores the record unless one already exists.
+    /// Releases the lock if `token` owns it; stores the record unless one already exists; and
+    /// deletes the key's trace, whatever the outcome.
     fn commit(
         &self,
         key: &str,
@@ -227,8 +304,14 @@ pub trait Backend: Send + Sync + 'static {
         retention: Duration,
     ) -> impl Future<Output = Result<CommitOutcome>> + Send;
 
-    /// Compare-and-delete of the lock.
-    fn release(&self, key: &str, token: &str) -> impl Future<Output = Result<ReleaseOutcome>> + Send;
+    /// Compare-and-delete of the lock; unless `in_doubt`, also of the trace (its token must be
+    /// `token`). `Released` if either was deleted.
+    fn release(
+        &self,
+        key: &str,
+        token: &str,
+        in_doubt: bool,
+    ) -> impl Future<Output = Result<ReleaseOutcome>> + Send;
 
     /// Whether the backend answers at all.
     fn health(&self) -> impl Future<Output = Result<()>> + Send;
@@ -236,26 +319,27 @@ pub trait Backend: Send + Sync + 'static {
     // The operator's tools (`idemstore records`, [`crate::admin`]). Every backend idemstore
     // runs has them; the defaults serve test doubles, which answer that they cannot.
 
-    /// The operator's view of `key`: its record and its lock, if any (never the record's bytes).
+    /// The operator's view of `key`: its record, its lock and its trace, if any (never the
+    /// record's bytes).
     fn inspect(&self, _key: &str) -> impl Future<Output = Result<Inspection>> + Send {
         async { Err(no_tools()) }
     }
 
-    /// Deletes `key`'s record and lock (whoever holds it), for an operator: the next `begin` of
-    /// the key takes the lock and runs the request again.
+    /// Deletes `key`'s record, lock (whoever holds it) and trace, for an operator: the next
+    /// `begin` of the key takes the lock and runs the request again.
     fn delete(&self, _key: &str) -> impl Future<Output = Result<Deleted>> + Send {
         async { Err(no_tools()) }
     }
 
-    /// Counts the records and locks held (on Redis a `SCAN` of every master: not a snapshot, so
-    /// approximate while keys come and go).
+    /// Counts the records, locks and in-doubt keys held (on Redis a `SCAN` of every master:
+    /// not a snapshot, so approximate while keys come and go).
     fn counts(&self) -> impl Future<Output = Result<Counts>> + Send {
         async { Err(no_tools()) }
     }
 
-    /// Store keys starting with `prefix` (lowercase hex) that hold a record or a lock: at most
-    /// `limit` of them (any, when more match), sorted. On Redis a `SCAN` with the prefix in its
-    /// pattern, as for [`Self::counts`].
+    /// Store keys starting with `prefix` (lowercase hex) that hold a record, a lock or a
+    /// trace: at most `limit` of them (any, when more match), sorted. On Redis a `SCAN` with the
+    /// prefix in its pattern, as for [`Self::counts`].
     fn find(&self, _prefix: &str, _limit: usize) -> impl Future<Output = Result<Vec<String>>> + Send {
         async { Err(no_tools()) }
     }

@@ -1,8 +1,10 @@
 //! Redis backend, standalone or Cluster: the same five Lua scripts either way (`scripts/`):
 //! `begin.lua`, `commit.lua` and `release.lua` for the protocol's operations, `inspect.lua` and
 //! `delete.lua` for the operator's; counting and finding keys is a `SCAN` (of the server, or of
-//! every master), the health check a `PING`. A key's record (`idem:{<key>}:r`), lock (`idem:{<key>}:l`) and waiter
-//! mark (`idem:{<key>}:w`) share a hash tag, so each script touches a single Cluster slot.
+//! every master), the health check a `PING`. A key's record (`idem:{<key>}:r`), lock
+//! (`idem:{<key>}:l`), waiter mark (`idem:{<key>}:w`) and the trace of an attempt begun with a
+//! hold (`idem:{<key>}:t`, see [`super`]) share a hash tag, so each script touches a single
+//! Cluster slot. `begin.lua` reads Redis's clock (`TIME`) for a trace's start.
 //! Commits, releases and deletes also publish the key for waiters on other idemstore instances
 //! ([`super::pubsub`]), when a waiter has marked the key: most keys are never waited on, and
 //! then cost no message.
@@ -24,8 +26,8 @@ use super::access::Access;
 use super::pubsub::WakeNodes;
 use super::sentinel::SentinelConnection;
 use super::{
-    pubsub, record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Inspection,
-    LockInfo, RecordInfo, ReleaseOutcome, Result, RECORD_HEAD_BYTES,
+    pubsub, record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Hold, Inspection,
+    LockInfo, RecordInfo, ReleaseOutcome, Result, TraceInfo, RECORD_HEAD_BYTES,
 };
 use crate::waiters::{RemoteWakeups, Waiters};
 
@@ -219,8 +221,8 @@ impl<C> RedisBackend<C> {
     }
 }
 
-/// Redis's names for a store key's record, lock and waiter mark, and the wake-up channel,
-/// under `--key-prefix`.
+/// Redis's names for a store key's record, lock, waiter mark and trace, and the wake-up
+/// channel, under `--key-prefix`.
 #[derive(Debug, Clone, Default)]
 pub struct Keys {
     prefix: std::sync::Arc<str>,
@@ -245,13 +247,20 @@ impl Keys {
         format!("{}idem:{{{key}}}:w", self.prefix)
     }
 
+    /// The trace of an attempt begun with a hold (`begin.lua` says its form): outlives the
+    /// lock, so that an attempt whose outcome is unknown is not run again blindly.
+    pub fn trace(&self, key: &str) -> String {
+        format!("{}idem:{{{key}}}:t", self.prefix)
+    }
+
     /// The channel the scripts publish store keys on.
     pub fn channel(&self) -> String {
         format!("{}{}", self.prefix, pubsub::CHANNEL)
     }
 
-    /// The store key a record or lock key of ours (as [`Self::record`] and [`Self::lock`]
-    /// spell them) belongs to, with the kind of key; `None` for any other key.
+    /// The store key a record, lock or trace key of ours (as [`Self::record`], [`Self::lock`]
+    /// and [`Self::trace`] spell them) belongs to, with the kind of key; `None` for any other
+    /// key.
     fn parse(&self, redis_key: &[u8]) -> Option<(String, Kind)> {
         let text = std::str::from_utf8(redis_key).ok()?;
         let key = text.strip_prefix(&*self.prefix)?.split_once('{')?.1.split_once('}')?.0;
@@ -259,6 +268,8 @@ impl Keys {
             Some((key.to_owned(), Kind::Record))
         } else if text == self.lock(key) {
             Some((key.to_owned(), Kind::Lock))
+        } else if text == self.trace(key) {
+            Some((key.to_owned(), Kind::Trace))
         } else {
             None
         }
@@ -269,6 +280,7 @@ impl Keys {
 enum Kind {
     Record,
     Lock,
+    Trace,
 }
 
 /// The store key the health probe inspects: not 64 hex characters, so never a real one.
@@ -283,11 +295,43 @@ fn pttl(ms: i64) -> Option<Duration> {
     u64::try_from(ms).ok().map(Duration::from_millis)
 }
 
+/// A trace's value, `<token> <started ms> <lock TTL ms> <body hash>` (`begin.lua`), with its
+/// PTTL; `None` for a value not of that form (set by hand: `begin.lua` ignores it too).
+fn parse_trace(value: &[u8], ttl: i64) -> Option<TraceInfo> {
+    let text = std::str::from_utf8(value).ok()?;
+    let mut parts = text.split(' ');
+    let (Some(token), Some(started), Some(lock_ttl), Some(body_hash), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return None;
+    };
+    let number = |s: &str| s.bytes().all(|b| b.is_ascii_digit()).then(|| s.parse::<u64>().ok()).flatten();
+    let hex = !body_hash.is_empty() && body_hash.bytes().all(|b| b.is_ascii_hexdigit());
+    if !idem_protocol::is_token(token.as_bytes()) || !hex {
+        return None;
+    }
+    Some(TraceInfo {
+        token: token.to_owned(),
+        started_ms: number(started)?,
+        lock_ttl: Duration::from_millis(number(lock_ttl)?),
+        body_hash: body_hash.to_owned(),
+        ttl: pttl(ttl),
+    })
+}
+
 fn parse_inspection(reply: Value) -> Result<Inspection> {
     let garbage = || garbage("inspect");
     let Value::Array(items) = reply else { return Err(garbage()) };
-    let [Value::Int(len), head, Value::Int(record_pttl), Value::Int(lock_pttl)] = items.as_slice() else {
+    let [Value::Int(len), head, Value::Int(record_pttl), Value::Int(lock_pttl), trace, Value::Int(tpttl)] =
+        items.as_slice()
+    else {
         return Err(garbage());
+    };
+    let trace = match trace {
+        Value::Nil => None,
+        Value::BulkString(bytes) => parse_trace(bytes, *tpttl),
+        Value::SimpleString(text) => parse_trace(text.as_bytes(), *tpttl),
+        _ => return Err(garbage()),
     };
     let head: Vec<u8> = match head {
         Value::BulkString(bytes) => bytes.clone(),
@@ -308,7 +352,7 @@ fn parse_inspection(reply: Value) -> Result<Inspection> {
         })
     };
     let lock = (*lock_pttl != -2).then(|| LockInfo { ttl: pttl(*lock_pttl) });
-    Ok(Inspection { record, lock })
+    Ok(Inspection { record, lock, trace })
 }
 
 /// A Redis error as the backend's: a refusal the operator must fix (TLS, credentials, an ACL
@@ -400,6 +444,17 @@ fn parse_attempt(reply: Value) -> Result<Attempt> {
             // PTTL is negative when the lock has no expiry (set by hand): remaining unknown.
             let remaining = u64::try_from(*pttl).ok().map(Duration::from_millis);
             Ok(Attempt::Held { remaining })
+        }
+        [Value::BulkString(tag), Value::BulkString(token), Value::BulkString(started), Value::Int(running)]
+            if tag == b"in-doubt" =>
+        {
+            let token = String::from_utf8(token.clone()).map_err(|_| garbage("begin"))?;
+            let started_ms = std::str::from_utf8(started)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok())
+                .ok_or_else(|| garbage("begin"))?;
+            let running = Duration::from_millis(u64::try_from(*running).unwrap_or(0));
+            Ok(Attempt::InDoubt { token, started_ms, running })
         }
         _ => Err(garbage("begin")),
     }
@@ -582,14 +637,19 @@ where
         body_hash: &str,
         token: &str,
         lock_ttl: Duration,
+        hold: Option<Hold<'_>>,
     ) -> Result<Attempt> {
         let mut script = self.scripts.begin.key(self.keys.record(key));
         script
             .key(self.keys.lock(key))
             .key(self.keys.waiter(key))
+            .key(self.keys.trace(key))
             .arg(body_hash)
             .arg(token)
-            .arg(millis(lock_ttl));
+            .arg(millis(lock_ttl))
+            .arg(if hold.is_some() { "1" } else { "0" })
+            .arg(hold.map_or(0, |h| millis(h.retention)))
+            .arg(hold.and_then(|h| h.supersede).unwrap_or(""));
         let reply: Value = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         parse_attempt(reply)
     }
@@ -606,6 +666,7 @@ where
         script
             .key(self.keys.lock(key))
             .key(self.keys.waiter(key))
+            .key(self.keys.trace(key))
             .arg(token)
             .arg(body_hash)
             .arg(millis(retention));
@@ -614,9 +675,15 @@ where
         CommitOutcome::parse(&reply).ok_or_else(|| garbage("commit"))
     }
 
-    async fn release(&self, key: &str, token: &str) -> Result<ReleaseOutcome> {
+    async fn release(&self, key: &str, token: &str, in_doubt: bool) -> Result<ReleaseOutcome> {
         let mut script = self.scripts.release.key(self.keys.lock(key));
-        script.key(self.keys.waiter(key)).arg(token).arg(self.keys.channel()).arg(key);
+        script
+            .key(self.keys.waiter(key))
+            .key(self.keys.trace(key))
+            .arg(token)
+            .arg(self.keys.channel())
+            .arg(key)
+            .arg(if in_doubt { "1" } else { "0" });
         let deleted: i64 = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         Ok(if deleted == 1 { ReleaseOutcome::Released } else { ReleaseOutcome::NotOwner })
     }
@@ -637,30 +704,49 @@ where
 
     async fn inspect(&self, key: &str) -> Result<Inspection> {
         let mut script = self.scripts.inspect.key(self.keys.record(key));
-        script.key(self.keys.lock(key)).arg(64 + RECORD_HEAD_BYTES - 1);
+        script.key(self.keys.lock(key)).key(self.keys.trace(key)).arg(64 + RECORD_HEAD_BYTES - 1);
         let reply: Value = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
         parse_inspection(reply)
     }
 
     async fn delete(&self, key: &str) -> Result<Deleted> {
         let mut script = self.scripts.delete.key(self.keys.record(key));
-        script.key(self.keys.lock(key)).key(self.keys.waiter(key)).arg(self.keys.channel()).arg(key);
-        let (record, lock): (i64, i64) = self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
-        Ok(Deleted { record: record == 1, lock: lock == 1 })
+        script
+            .key(self.keys.lock(key))
+            .key(self.keys.waiter(key))
+            .key(self.keys.trace(key))
+            .arg(self.keys.channel())
+            .arg(key);
+        let (record, lock, trace): (i64, i64, i64) =
+            self.bounded(script.invoke_async(&mut self.conn.clone())).await?;
+        Ok(Deleted { record: record == 1, lock: lock == 1, trace: trace == 1 })
     }
 
     async fn counts(&self) -> Result<Counts> {
         let mut counts = Counts::default();
         let keys = &self.keys;
         // The patterns are the key names with `*` for the store key, so they match exactly
-        // what `record_key` and `lock_key` make.
+        // what `record`, `lock` and `trace` make.
         self.scan(&self.keys.record("*"), |k| {
             counts.records += u64::from(keys.parse(k).is_some_and(|(_, kind)| kind == Kind::Record));
             true
         })
         .await?;
+        // The locked keys are remembered (locks are few: one per request running now), so that
+        // a trace without one counts as in doubt.
+        let mut locked = std::collections::HashSet::new();
         self.scan(&self.keys.lock("*"), |k| {
-            counts.locks += u64::from(keys.parse(k).is_some_and(|(_, kind)| kind == Kind::Lock));
+            if let Some((key, Kind::Lock)) = keys.parse(k) {
+                locked.insert(key);
+            }
+            true
+        })
+        .await?;
+        counts.locks = u64::try_from(locked.len()).unwrap_or(u64::MAX);
+        self.scan(&self.keys.trace("*"), |k| {
+            if let Some((key, Kind::Trace)) = keys.parse(k) {
+                counts.in_doubt += u64::from(!locked.contains(&key));
+            }
             true
         })
         .await?;
@@ -671,11 +757,13 @@ where
         let mut found = std::collections::BTreeSet::new();
         let keys = &self.keys;
         let pattern = format!("{prefix}*");
-        for redis_pattern in [self.keys.record(&pattern), self.keys.lock(&pattern)] {
+        for redis_pattern in [self.keys.record(&pattern), self.keys.lock(&pattern), self.keys.trace(&pattern)]
+        {
             if found.len() >= limit {
                 break;
             }
-            // A set: a key with both a record and a lock, or returned twice by SCAN, is one key.
+            // A set: a key with a record and a lock (or a trace), or returned twice by SCAN, is
+            // one key.
             self.scan(&redis_pattern, |k| {
                 if let Some((key, _)) = keys.parse(k).filter(|(key, _)| key.starts_with(prefix)) {
                     found.insert(key);
@@ -706,10 +794,12 @@ mod tests {
         assert_eq!(keys.record("ab"), "idem:{ab}:r");
         assert_eq!(keys.lock("ab"), "idem:{ab}:l");
         assert_eq!(keys.waiter("ab"), "idem:{ab}:w");
+        assert_eq!(keys.trace("ab"), "idem:{ab}:t");
         assert_eq!(keys.channel(), "idem:wake");
         let keys = Keys::new("shop:");
         assert_eq!(keys.record("ab"), "shop:idem:{ab}:r");
         assert_eq!(keys.waiter("ab"), "shop:idem:{ab}:w");
+        assert_eq!(keys.trace("ab"), "shop:idem:{ab}:t");
         assert_eq!(keys.channel(), "shop:idem:wake");
     }
 
@@ -719,7 +809,14 @@ mod tests {
         let hash = "a".repeat(64);
         let head = [hash.as_bytes(), b"IDR2\x01\x96"].concat();
         let reply = |len, head: &[u8], r, l| {
-            Value::Array(vec![Value::Int(len), bulk(head), Value::Int(r), Value::Int(l)])
+            Value::Array(vec![
+                Value::Int(len),
+                bulk(head),
+                Value::Int(r),
+                Value::Int(l),
+                Value::Nil,
+                Value::Int(-2),
+            ])
         };
         let seen = parse_inspection(reply(64 + 300, &head, 5_000, -2)).unwrap();
         let record = seen.record.unwrap();
@@ -741,6 +838,34 @@ mod tests {
         assert_eq!(seen.lock, Some(LockInfo { ttl: None }));
         assert!(parse_inspection(Value::Okay).is_err());
         assert!(parse_inspection(Value::Array(vec![Value::Int(1)])).is_err());
+        // A trace, as begin.lua writes it, and one set by hand (not shown).
+        let traced = |value: &[u8], ttl| {
+            Value::Array(vec![
+                Value::Int(0),
+                bulk(b""),
+                Value::Int(-2),
+                Value::Int(-2),
+                bulk(value),
+                Value::Int(ttl),
+            ])
+        };
+        let hash = "a".repeat(64);
+        let value = format!("tok-1 1700000000123 30000 {hash}");
+        let seen = parse_inspection(traced(value.as_bytes(), 59_000)).unwrap();
+        assert!(seen.in_doubt());
+        assert_eq!(
+            seen.trace,
+            Some(TraceInfo {
+                token: "tok-1".into(),
+                started_ms: 1_700_000_000_123,
+                lock_ttl: Duration::from_secs(30),
+                body_hash: hash.clone(),
+                ttl: Some(Duration::from_secs(59)),
+            })
+        );
+        for bad in [&b"tok 1 2"[..], b"t!k 1 2 ab", b"tok x 2 ab", b"tok 1 2 ab extra", b""] {
+            assert_eq!(parse_inspection(traced(bad, 1000)).unwrap().trace, None, "{bad:?}");
+        }
     }
 
     #[test]
@@ -749,6 +874,7 @@ mod tests {
         let keys = Keys::default();
         assert_eq!(keys.parse(keys.record(&key).as_bytes()), Some((key.clone(), Kind::Record)));
         assert_eq!(keys.parse(keys.lock(&key).as_bytes()), Some((key.clone(), Kind::Lock)));
+        assert_eq!(keys.parse(keys.trace(&key).as_bytes()), Some((key.clone(), Kind::Trace)));
         assert_eq!(keys.parse(keys.waiter(&key).as_bytes()), None);
         assert_eq!(keys.parse(b"idem:wake"), None);
         assert_eq!(keys.parse(b"idem:{a}:r:x"), None);
@@ -780,6 +906,26 @@ mod tests {
             parse_attempt(Value::Array(vec![bulk(b"held"), Value::Int(-1)])),
             Ok(Attempt::Held { remaining: None })
         );
+        assert_eq!(
+            parse_attempt(Value::Array(vec![
+                bulk(b"in-doubt"),
+                bulk(b"tok"),
+                bulk(b"1700000000123"),
+                Value::Int(250)
+            ])),
+            Ok(Attempt::InDoubt {
+                token: "tok".into(),
+                started_ms: 1_700_000_000_123,
+                running: Duration::from_millis(250)
+            })
+        );
+        assert!(parse_attempt(Value::Array(vec![
+            bulk(b"in-doubt"),
+            bulk(b"tok"),
+            bulk(b"x"),
+            Value::Int(0)
+        ]))
+        .is_err());
         assert!(parse_attempt(Value::Okay).is_err());
         assert!(parse_attempt(Value::Array(vec![bulk(b"what")])).is_err());
     }

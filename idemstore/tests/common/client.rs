@@ -181,8 +181,36 @@ impl Client {
         self.call("POST", proto::PATH_COMMITS, &[(proto::HEADER_RETENTION_S, "86400")], body).await
     }
 
-    pub async fn release(&self, key: &str, token: &str) -> Reply {
-        let headers = [(proto::HEADER_KEY, key), (proto::HEADER_TOKEN, token)];
+    /// `in_doubt`: with `x-idem-in-doubt: 1` (else without the header).
+    pub async fn release(&self, key: &str, token: &str, in_doubt: bool) -> Reply {
+        let mut headers = vec![(proto::HEADER_KEY, key), (proto::HEADER_TOKEN, token)];
+        if in_doubt {
+            headers.push((proto::HEADER_IN_DOUBT, "1"));
+        }
         self.call("POST", proto::PATH_RELEASE, &headers, Bytes::new()).await
+    }
+
+    /// A `begin` with `x-idem-hold: 1`, the retention `retention_s` and, if given, the token to
+    /// supersede.
+    pub async fn begin_hold(
+        &self,
+        key: &str,
+        hash: &str,
+        lock_ttl_ms: &str,
+        retention_s: &str,
+        supersede: Option<&str>,
+    ) -> Reply {
+        let mut headers = vec![
+            (proto::HEADER_KEY, key),
+            (proto::HEADER_BODY_HASH, hash),
+            (proto::HEADER_LOCK_TTL_MS, lock_ttl_ms),
+            (proto::HEADER_WAIT_MS, "0"),
+            (proto::HEADER_HOLD, "1"),
+            (proto::HEADER_RETENTION_S, retention_s),
+        ];
+        if let Some(token) = supersede {
+            headers.push((proto::HEADER_SUPERSEDE, token));
+        }
+        self.call("POST", proto::PATH_BEGIN, &headers, Bytes::new()).await
     }
 }

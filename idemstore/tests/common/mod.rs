@@ -1,4 +1,5 @@
-//! Scenarios every backend must pass, run by `memory.rs` and `redis.rs`.
+//! Scenarios every backend must pass, run by `memory.rs` and `redis.rs` (and `in_doubt`'s, by
+//! `redis_cluster.rs` too).
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use idemstore::backend::{Backend, CommitOutcome, ReleaseOutcome};
 use idemstore::store::{new_token, Begin, Store};
 
 pub mod client;
+pub mod in_doubt;
 
 pub const TTL: Duration = Duration::from_secs(30);
 pub const WAIT: Duration = Duration::from_secs(5);
@@ -93,7 +95,7 @@ pub async fn waiter_woken_by_release<B: Backend>(backend: B) {
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     let started = Instant::now();
-    assert_eq!(store.release(&key, &token).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(store.release(&key, &token, false).await.unwrap(), ReleaseOutcome::Released);
     let begun = waiter.await.unwrap();
     assert!(started.elapsed() < Duration::from_millis(500));
     let Begin::Locked { token: second } = begun else { panic!("expected locked, got {begun:?}") };
@@ -217,7 +219,7 @@ pub async fn lock_remaining_over_http<B: Backend>(store: Arc<Store<B>>) {
         let attempt_not_before = started + wait;
         LockTimes { ttl, lock_sent, lock_done, attempt_not_before, answered }.check(remaining);
 
-        assert_eq!(client.release(&key, &locked.token()).await.outcome(), "released");
+        assert_eq!(client.release(&key, &locked.token(), false).await.outcome(), "released");
         let again = client.begin(&key, &hash, "0").await;
         assert_eq!((again.outcome(), again.lock_remaining()), ("locked", None));
         let record = Bytes::from_static(b"rec");
@@ -271,9 +273,9 @@ pub async fn mismatch<B: Backend>(store: &Store<B>) {
 pub async fn release_lets_next_begin_lock<B: Backend>(store: &Store<B>) {
     let key = key();
     let token = lock(store, &key).await;
-    assert_eq!(store.release(&key, "someone-else").await.unwrap(), ReleaseOutcome::NotOwner);
-    assert_eq!(store.release(&key, &token).await.unwrap(), ReleaseOutcome::Released);
-    assert_eq!(store.release(&key, &token).await.unwrap(), ReleaseOutcome::NotOwner);
+    assert_eq!(store.release(&key, "someone-else", false).await.unwrap(), ReleaseOutcome::NotOwner);
+    assert_eq!(store.release(&key, &token, false).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(store.release(&key, &token, false).await.unwrap(), ReleaseOutcome::NotOwner);
     let again = lock(store, &key).await;
     assert_ne!(again, token);
 }
@@ -295,7 +297,7 @@ pub async fn late_commit_and_exists<B: Backend>(store: &Store<B>) {
         store.commit(&key, &b, &hash('a'), Bytes::from_static(b"second"), DAY).await.unwrap(),
         CommitOutcome::Exists
     );
-    assert_eq!(store.release(&key, &b).await.unwrap(), ReleaseOutcome::NotOwner);
+    assert_eq!(store.release(&key, &b, false).await.unwrap(), ReleaseOutcome::NotOwner);
     assert_eq!(replayed(store.begin(&key, &hash('a'), TTL, WAIT).await.unwrap()), Some(first));
 
     // No lock at all: stored as late.
@@ -471,7 +473,7 @@ pub async fn release_wakes_other_instance<B: Backend>(one: &Arc<Store<B>>, two: 
     let token = lock(one, &key).await;
     let waiter = parked_begin(two, &key).await;
     let called = Instant::now();
-    assert_eq!(one.release(&key, &token).await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(one.release(&key, &token, false).await.unwrap(), ReleaseOutcome::Released);
     let (begun, answered) = waiter.await.unwrap();
     let Begin::Locked { token: second } = begun else { panic!("expected locked, got {begun:?}") };
     assert_ne!(second, token);
@@ -558,13 +560,13 @@ pub async fn operator_tools<B: Backend>(backend: &B, extra: u64) {
     let before = backend.counts().await.unwrap();
     let (recorded, locked, both, nothing) = (key(), key(), key(), key());
     let token = new_token();
-    assert_eq!(backend.try_begin(&recorded, &hash('a'), &token, TTL).await.unwrap(), Attempt::Locked);
+    assert_eq!(backend.try_begin(&recorded, &hash('a'), &token, TTL, None).await.unwrap(), Attempt::Locked);
     let record = filter_record(b"{\"id\":1}");
     let stored = backend.commit(&recorded, &token, &hash('a'), record.clone(), DAY).await.unwrap();
     assert_eq!(stored, CommitOutcome::Stored);
-    assert_eq!(backend.try_begin(&locked, &hash('a'), "t1", TTL).await.unwrap(), Attempt::Locked);
+    assert_eq!(backend.try_begin(&locked, &hash('a'), "t1", TTL, None).await.unwrap(), Attempt::Locked);
     // A lock, and a record committed late by another token: both at once.
-    assert_eq!(backend.try_begin(&both, &hash('b'), "t2", TTL).await.unwrap(), Attempt::Locked);
+    assert_eq!(backend.try_begin(&both, &hash('b'), "t2", TTL, None).await.unwrap(), Attempt::Locked);
     let late = backend.commit(&both, "t3", &hash('b'), Bytes::from_static(b"not a filter record"), DAY).await;
     assert_eq!(late.unwrap(), CommitOutcome::Late);
     for _ in 0..extra {
@@ -600,14 +602,14 @@ pub async fn operator_tools<B: Backend>(backend: &B, extra: u64) {
     assert!(backend.find(&nothing[..16], 10).await.unwrap().is_empty());
     assert_eq!(backend.find("", 2).await.unwrap().len(), 2, "at most the limit");
 
-    assert_eq!(backend.delete(&both).await.unwrap(), Deleted { record: true, lock: true });
+    assert_eq!(backend.delete(&both).await.unwrap(), Deleted { record: true, lock: true, trace: false });
     assert!(backend.inspect(&both).await.unwrap().is_empty());
     assert_eq!(backend.delete(&both).await.unwrap(), Deleted::default());
-    assert_eq!(backend.delete(&recorded).await.unwrap(), Deleted { record: true, lock: false });
-    assert_eq!(backend.delete(&locked).await.unwrap(), Deleted { record: false, lock: true });
+    assert_eq!(backend.delete(&recorded).await.unwrap(), Deleted { record: true, lock: false, trace: false });
+    assert_eq!(backend.delete(&locked).await.unwrap(), Deleted { record: false, lock: true, trace: false });
     assert_eq!(backend.delete(&nothing).await.unwrap(), Deleted::default());
     // The key is free again: the next request runs.
-    assert_eq!(backend.try_begin(&recorded, &hash('a'), "t4", TTL).await.unwrap(), Attempt::Locked);
+    assert_eq!(backend.try_begin(&recorded, &hash('a'), "t4", TTL, None).await.unwrap(), Attempt::Locked);
     let last = backend.counts().await.unwrap();
     assert_eq!((last.records, last.locks), (before.records + extra, before.locks + 1));
 }

@@ -35,11 +35,12 @@
 use sha2::{Digest, Sha256};
 use std::rc::Rc;
 
-use crate::config::values::{FailureMode, MissingId, Mode, Subject};
+use crate::config::values::{FailureMode, MissingId, Mode, Subject, UnknownOutcome};
 use crate::config::Config;
 use crate::http::grpc::{self, Frames};
 use crate::http::headers;
 use crate::request::detached::{self, UpstreamAnswer, UpstreamCall};
+use crate::request::ending::{self, Ending};
 use crate::request::fingerprint;
 use crate::request::inbox::{self, AtHeaders, IdError, MessageId};
 use crate::request::keep::{self, Head, Keep};
@@ -47,7 +48,7 @@ use crate::request::key;
 use crate::request::metrics::Metric;
 use crate::request::problem::{self, LocalResponse};
 use crate::request::replay;
-use crate::store::client::{BeginAnswer, CalloutFault, LockTerms, LockToken, StoreCall};
+use crate::store::client::{BeginAnswer, CalloutFault, Hold, LockTerms, LockToken, StoreCall};
 use crate::store::record::RequestPrint;
 use crate::store::record::{self, Record};
 
@@ -91,6 +92,9 @@ pub enum Effect {
     Store(StoreCall),
     /// The request itself, sent by the root context (detached execution).
     Upstream(UpstreamCall),
+    /// `outcome_lookup`'s question to the application, sent by the root context like a
+    /// detached execution (its answer comes back the same way); not an execution.
+    Lookup(UpstreamCall),
     /// Set a request header before the request goes on, replacing any value the client sent.
     SetRequestHeader(String, String),
     RemoveRequestHeader(String),
@@ -181,6 +185,16 @@ enum State {
         body_hash: String,
         token: LockToken,
     },
+    /// A retry of an in-doubt key: `outcome_lookup` asks the application whether the attempt
+    /// under `token` (which may still run for `running_ms`) committed; `gone`: the client went
+    /// away meanwhile (a committed answer still becomes the record).
+    Looking {
+        key: String,
+        body_hash: String,
+        token: LockToken,
+        running_ms: u64,
+        gone: bool,
+    },
     /// The filter itself sent the request (detached execution); `gone`: the client went away.
     Detached {
         key: String,
@@ -206,6 +220,13 @@ enum State {
     Done,
 }
 
+/// Where `outcome_lookup` asks: the route's cluster and the request's `:authority`.
+#[derive(Debug, Clone)]
+struct LookupAt {
+    cluster: String,
+    authority: String,
+}
+
 /// What a detached execution sends: captured while the request is paused.
 #[derive(Debug)]
 struct Detach {
@@ -229,6 +250,8 @@ pub struct Machine {
     request_len: usize,
     /// The Envoy route's name, when it was read to choose the route's policy.
     route_name: Option<Vec<u8>>,
+    /// Where to ask about an in-doubt key (`outcome_lookup`).
+    lookup_at: Option<LookupAt>,
 }
 
 impl Machine {
@@ -242,6 +265,7 @@ impl Machine {
             grpc: None,
             request_len: 0,
             route_name: None,
+            lookup_at: None,
         }
     }
 
@@ -259,6 +283,7 @@ impl Machine {
             | State::Orphaned { key }
             | State::Executing { key, .. }
             | State::Detached { key, .. }
+            | State::Looking { key, .. }
             | State::Capturing { key, .. } => Some(key),
             State::Start
             | State::Reading { .. }
@@ -283,7 +308,10 @@ impl Machine {
 
     /// True once nothing this stream started is pending: the host may forget it.
     pub fn is_settled(&self) -> bool {
-        !matches!(self.state, State::Orphaned { .. } | State::Beginning { .. } | State::Detached { .. })
+        !matches!(
+            self.state,
+            State::Orphaned { .. } | State::Beginning { .. } | State::Detached { .. } | State::Looking { .. }
+        )
     }
 
     /// The commit of `record` under `token`, kept for the request's route's retention.
@@ -292,10 +320,28 @@ impl Machine {
         Effect::Store(StoreCall::Commit { key, token, body_hash, record, retention_s })
     }
 
-    /// The stream is over (complete, reset upstream, or the client went away).
-    pub fn on_stream_end(&mut self) -> Vec<Effect> {
+    /// The attempt under `token` was sent and its answer never came back: the key is left in
+    /// doubt (`unknown_outcome: hold`), or released for the next retry to run (`run_again`).
+    fn lost(&self, key: String, token: LockToken) -> Vec<Effect> {
+        match self.cfg.unknown_outcome {
+            UnknownOutcome::Hold => vec![
+                Effect::Store(StoreCall::Release { key, token, in_doubt: true }),
+                Effect::Count(Metric::InDoubt),
+            ],
+            UnknownOutcome::RunAgain => release(key, token),
+        }
+    }
+
+    /// The stream is over before its answer was complete (complete streams are done by then):
+    /// the client went away while the request ran, or the answer was cut. What the request did
+    /// is unknown, unless Envoy shows it never reached the application.
+    pub fn on_stream_end(&mut self, view: &dyn StreamView) -> Vec<Effect> {
         match std::mem::replace(&mut self.state, State::Done) {
-            State::Executing { key, token, .. } | State::Capturing { key, token, .. } => release(key, token),
+            State::Executing { key, token, .. } => match seen(view).at_end() {
+                Ending::NeverSent => release(key, token),
+                Ending::Unknown | Ending::Answered => self.lost(key, token),
+            },
+            State::Capturing { key, token, .. } => self.lost(key, token),
             State::Beginning { key, .. } | State::Orphaned { key } => {
                 self.state = State::Orphaned { key };
                 vec![]
@@ -304,8 +350,21 @@ impl Machine {
                 self.state = State::Detached { key, body_hash, token, gone: true };
                 vec![]
             }
+            State::Looking { key, body_hash, token, running_ms, .. } => {
+                self.state = State::Looking { key, body_hash, token, running_ms, gone: true };
+                vec![]
+            }
             _ => vec![],
         }
+    }
+}
+
+/// What Envoy tells of how the attempt went (see [`ending`]).
+fn seen(view: &dyn StreamView) -> ending::Seen {
+    ending::Seen {
+        details: view.property(&["response", "code_details"]).and_then(|d| String::from_utf8(d).ok()),
+        tries: view.property(&["upstream", "request_attempt_count"]).and_then(|n| ending::number(&n)),
+        connected: view.property(&["upstream", "local_address"]).is_some_and(|a| !a.is_empty()),
     }
 }
 
@@ -318,10 +377,11 @@ fn first(values: Vec<Vec<u8>>) -> Option<Vec<u8>> {
 pub const INBOX_BODY_HASH: &str = "84a7bd94e4892ceaf6647cf9bb4cc47d439450095ff13bbef98adfac56a78701";
 
 fn release(key: String, token: LockToken) -> Vec<Effect> {
-    vec![Effect::Store(StoreCall::Release { key, token }), Effect::Count(Metric::Released)]
+    vec![Effect::Store(StoreCall::Release { key, token, in_doubt: false }), Effect::Count(Metric::Released)]
 }
 
 mod hop;
+mod lookup;
 mod on_begin;
 mod on_request;
 mod on_response;

@@ -38,6 +38,9 @@ impl Machine {
                     }
                     vec![Effect::Respond(problem), Effect::Count(Metric::Conflicted)]
                 }
+                Ok(BeginAnswer::InDoubt { token, running_ms, .. }) => {
+                    self.in_doubt(key, body_hash, token, running_ms)
+                }
                 Ok(BeginAnswer::Locked { token }) => match self.detach.take() {
                     Some(d) => {
                         let call = UpstreamCall {
@@ -62,9 +65,7 @@ impl Machine {
                 Err(_) => self.give_up(),
             },
             State::Orphaned { key } => match answer {
-                Ok(BeginAnswer::Locked { token }) => {
-                    vec![Effect::Store(StoreCall::Release { key, token }), Effect::Count(Metric::Released)]
-                }
+                Ok(BeginAnswer::Locked { token }) => release(key, token),
                 _ => vec![],
             },
             other => {

@@ -112,6 +112,7 @@ impl Machine {
         if self.detaches() {
             self.detach = self.capture_for_detach(view, Some(&key));
         }
+        self.lookup_at = self.capture_for_lookup(view);
         self.accept_encoding = view.request_header("accept-encoding");
         let digest = match (&self.cfg.fingerprint_json, self.cfg.inbox()) {
             (_, Some(_)) => BodyDigest::Constant,
@@ -173,6 +174,7 @@ impl Machine {
                 if self.detaches() {
                     self.detach = self.capture_for_detach(view, None);
                 }
+                self.lookup_at = self.capture_for_lookup(view);
                 // Read now: the request headers may be gone by the time the id is.
                 self.accept_encoding = view.request_header("accept-encoding");
                 self.state = State::Reading { method, route: self.route(view), body: Vec::new() };
@@ -316,6 +318,7 @@ impl Machine {
                     key: key.clone(),
                     body_hash: body_hash.clone(),
                     lock: LockTerms::of(&self.cfg),
+                    hold: Hold::of(&self.cfg),
                 };
                 self.state = State::Beginning { key, body_hash };
                 vec![Effect::Store(call)]
@@ -350,6 +353,18 @@ impl Machine {
             }
         }
         Some(Detach { cluster, headers, body: Vec::new() })
+    }
+
+    /// Where `outcome_lookup` asks, should this request's key turn out to be in doubt: the
+    /// route's cluster and the request's authority, read while the headers are here.
+    pub(super) fn capture_for_lookup(&self, view: &dyn StreamView) -> Option<LookupAt> {
+        self.cfg.outcome_lookup.as_ref()?;
+        let cluster = view.property(&["xds", "cluster_name"]).filter(|c| !c.is_empty())?;
+        let authority = first(view.request_header(":authority")).unwrap_or_default();
+        Some(LookupAt {
+            cluster: String::from_utf8(cluster).ok()?,
+            authority: String::from_utf8(authority).ok()?,
+        })
     }
 
     /// A client must not be able to hand the upstream a store key of its choosing.

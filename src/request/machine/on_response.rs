@@ -4,6 +4,7 @@
 //!
 //! [`keep`]: crate::request::keep
 
+use super::lookup::Looked;
 use super::*;
 use crate::config::values::TooLarge;
 
@@ -42,6 +43,10 @@ fn values(pairs: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
 
 impl Machine {
     pub fn on_response_headers(&mut self, view: &dyn StreamView, end_of_stream: bool) -> Step {
+        let ended = match self.state {
+            State::Executing { .. } => seen(view).at_answer(),
+            _ => Ending::Answered,
+        };
         match std::mem::replace(&mut self.state, State::Done) {
             // A gRPC answer has no length; a replay of one says none either.
             State::HopAnswering { trailers } => {
@@ -52,6 +57,14 @@ impl Machine {
                 } else {
                     vec![]
                 })
+            }
+            // Envoy's own reply: the request never reached the application, or its answer was
+            // lost on the way (a timeout, a reset).
+            State::Executing { key, token, .. } if ended == Ending::Unknown => {
+                Step::go(self.lost(key, token))
+            }
+            State::Executing { key, token, .. } if ended == Ending::NeverSent => {
+                Step::go(release(key, token))
             }
             State::Executing { key, body_hash, token } if self.grpc.is_some() => {
                 Step::go(self.grpc_response_headers(view, key, body_hash, token, end_of_stream))
@@ -404,6 +417,9 @@ impl Machine {
     ) -> Vec<Effect> {
         let (key, body_hash, token, gone) = match std::mem::replace(&mut self.state, State::Done) {
             State::Detached { key, body_hash, token, gone } => (key, body_hash, token, gone),
+            State::Looking { key, body_hash, token, running_ms, gone } => {
+                return self.looked_up(Looked { key, body_hash, token, running_ms, gone }, answer, now_ms);
+            }
             other => {
                 self.state = other;
                 return vec![];
@@ -423,7 +439,12 @@ impl Machine {
                     };
                     effects.push(Effect::Respond(problem));
                 }
-                effects.extend(release(key, token));
+                // A timeout or a reset came after the request went out; a call that could not be
+                // dispatched never left.
+                effects.extend(match fault {
+                    CalloutFault::Timeout | CalloutFault::Reset => self.lost(key, token),
+                    _ => release(key, token),
+                });
                 return effects;
             }
         };

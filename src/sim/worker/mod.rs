@@ -48,13 +48,16 @@ use wire::WireCall;
 
 /// Configurations a run picks from (each with `store_key_header`, through which the simulation
 /// learns every stream's store key).
-pub const CONFIGS: [&str; 5] = [
+pub const CONFIGS: [&str; 6] = [
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":3,"store_timeout_ms":300,"lock_wait_ms":200}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":2,"failure_mode":"closed"}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":1,"detached_execution":true,"lock_wait_ms":0}"#,
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":4,"record_cache_entries":0,"breaker_failures":1,"breaker_open_ms":300}"#,
     // Streams go to the routes `orders` and `payments` (see `new_stream`): each its own terms.
     r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":3,"lock_wait_ms":200,"routes":{"payments":{"retention_seconds":1,"lock_wait_ms":0,"lock_ttl_ms":400},"orders":{"retention_seconds":5,"detached_execution":true}}}"#,
+    // Keys in doubt are looked up (the application answers from what it completed); a short
+    // lock TTL, so that a lookup's `404` can be believed within a run.
+    r#"{"store_cluster":"idemstore","store_key_header":"x-store-key","local_record_entries":256,"retention_seconds":3,"lock_ttl_ms":200,"lock_wait_ms":100,"outcome_lookup":{"path":"/by-key/{key}"}}"#,
 ];
 
 const CLIENT_KEYS: [&str; 3] = ["order-1", "order-2", "order-3"];
@@ -84,8 +87,10 @@ struct SimStream {
     ended: bool,
     answered: bool,
     executed: bool,
-    /// The response the upstream (or the filter's local answer) gives.
+    /// The response the upstream (or the filter's local answer) gives, and Envoy's
+    /// `response.code_details` for it.
     response: Option<Message>,
+    details: &'static str,
 }
 
 enum Stored {
@@ -93,11 +98,26 @@ enum Stored {
     Record { body_hash: String, bytes: Vec<u8>, expires_us: u64 },
 }
 
+/// The store's trace of a begun attempt under `unknown_outcome: hold` (beside its lock, and
+/// outliving it): the key is in doubt while it lasts without a lock.
+struct Trace {
+    token: String,
+    started_us: u64,
+    lock_ttl_us: u64,
+    body_hash: String,
+    expires_us: u64,
+}
+
 /// A lock the filter learned it holds, and what it did with it.
 struct Granted {
     key: String,
     /// Commit or release calls that named it: `true` if the filter got their answer.
     ends: Vec<(bool, bool)>,
+    /// The store told the filter its attempt is in doubt (a release in doubt, or its lock
+    /// expired with the trace left); then whether a commit under it resolved the doubt since (a
+    /// lookup's answer, committed as the attempt's own late commit would be).
+    in_doubt: bool,
+    resolved: bool,
 }
 
 struct InFlight {
@@ -140,6 +160,20 @@ pub struct World {
     open_tokens: Vec<u32>,
     next_token: u32,
     store: HashMap<String, Stored>,
+    traces: HashMap<String, Trace>,
+    /// Keys whose attempt this VM left in doubt (an in-doubt release the store took), until a
+    /// record or a superseding lock resolves them: none of them may run again but degraded.
+    doubt: HashMap<String, String>,
+    /// Tokens of in-doubt attempts the store named to the filter but never granted it (their
+    /// `begin`'s answer was lost): the filter may commit under each once.
+    unknown_in_doubt: std::collections::HashSet<String>,
+    /// Each stream's last outcome (`wasm.idempotency_outcome`).
+    outcomes: HashMap<u32, &'static str>,
+    /// Streams that ran their request in the current event, and what completed.
+    ran_now: Vec<usize>,
+    completing: Vec<(usize, String, Vec<u8>)>,
+    /// What the application completed per store key (for `outcome_lookup`): the body it answered.
+    completed: HashMap<String, Vec<u8>>,
     granted: HashMap<String, Granted>,
     next_lock: u32,
     executions: u32,
@@ -190,6 +224,13 @@ impl World {
             open_tokens: Vec::new(),
             next_token: 1,
             store: HashMap::new(),
+            traces: HashMap::new(),
+            doubt: HashMap::new(),
+            unknown_in_doubt: Default::default(),
+            outcomes: HashMap::new(),
+            ran_now: Vec::new(),
+            completing: Vec::new(),
+            completed: HashMap::new(),
             granted: HashMap::new(),
             next_lock: 0,
             executions: 0,
@@ -359,6 +400,7 @@ impl World {
             answered: false,
             executed: false,
             response: None,
+            details: "via_upstream",
         });
         self.tally.streams += 1;
         self.trace.push(format!("stream {id}: {client_key} {body}"));
@@ -379,19 +421,25 @@ impl World {
                 let stepped = self.step(i, |c, v, clock| {
                     c.on_stream_event(id, v, clock, |s, v| s.on_request_headers(v, false))
                 })?;
-                self.after_request_step(i, stepped, false);
+                self.after_request_step(i, stepped, false)?;
             }
             Phase::RequestBody => {
                 let len = self.streams[i].view.request_body.len();
                 let stepped = self.step(i, |c, v, clock| {
                     c.on_stream_event(id, v, clock, |s, v| s.on_request_body(v, len, true))
                 })?;
-                self.after_request_step(i, stepped, true);
+                self.after_request_step(i, stepped, true)?;
             }
             Phase::Waiting => {}
             Phase::ResponseHeaders => {
                 let (headers, _) = self.streams[i].response.clone().unwrap_or_default();
                 self.streams[i].view.response = headers;
+                let details = self.streams[i].details;
+                self.streams[i].view.prop("response.code_details", details);
+                self.streams[i]
+                    .view
+                    .props
+                    .insert("upstream.request_attempt_count".into(), 1u64.to_le_bytes().to_vec());
                 if let Some(content_type) = self.coord.take_restore(id) {
                     let s = &mut self.streams[i];
                     s.view.response.retain(|(n, _)| n != "content-type");
@@ -420,13 +468,13 @@ impl World {
 
     /// Where a request callback leaves the stream: answered or resumed within it, paused, or on
     /// its way to the upstream once the whole request went through.
-    fn after_request_step(&mut self, i: usize, stepped: Option<Stepped>, last: bool) {
+    fn after_request_step(&mut self, i: usize, stepped: Option<Stepped>, last: bool) -> Result<(), String> {
         let s = &mut self.streams[i];
         if let Some(st) = stepped {
             s.passive = st.done;
         }
         if s.answered || s.executed {
-            return;
+            return Ok(());
         }
         let paused = stepped.is_some_and(|st| st.action == Action::Pause);
         s.phase = match (last, paused) {
@@ -435,8 +483,9 @@ impl World {
             (true, false) => Phase::ResponseHeaders,
         };
         if s.phase == Phase::ResponseHeaders {
-            self.execute_routed(i);
+            self.execute_routed(i)?;
         }
+        Ok(())
     }
 
     /// Runs a stream callback as the host does (skipped once the stream is passive), then its
@@ -466,7 +515,7 @@ impl World {
         self.streams[i].ended = true;
         self.callback = Callback::Stream(id);
         self.scope = Scope::Own(id);
-        self.coord.on_stream_done(id, &self.clock);
+        self.coord.on_stream_done(id, &crate::sim::request::MockView::default(), &self.clock);
         self.commands()
     }
 
@@ -493,22 +542,68 @@ impl World {
         self.commands()
     }
 
-    /// The routed upstream runs the request: its answer names the request it ran.
-    fn execute_routed(&mut self, i: usize) {
+    /// The routed upstream runs the request: its answer names the request it ran. Mostly kept;
+    /// a 500 is not, and its lock is released; Envoy's timeout replaces an answer the
+    /// application completed, its reset one it did not: both leave the key in doubt.
+    fn execute_routed(&mut self, i: usize) -> Result<(), String> {
+        // Checked once the event's commands are carried out: its outcome may come after.
+        self.ran_now.push(i);
         self.executions += 1;
         self.tally.executions += 1;
-        // Mostly kept; a 500 is not, and its lock is released.
-        let status = ["201", "200", "201", "500"][self.rng.below(4) as usize];
+        let ending = ["201", "200", "201", "500", "timeout", "reset"][self.rng.below(6) as usize];
         let s = &mut self.streams[i];
         s.executed = true;
         let body = format!("exec {} of {} {}", self.executions, s.client_key, s.body).into_bytes();
-        s.response = Some((pairs(&[(":status", status), ("content-type", "text/plain")]), body));
+        let key = s.store_key.clone().unwrap_or_default();
+        let (status, details, completed) = match ending {
+            "timeout" => ("504", "response_timeout", true),
+            "reset" => ("503", "upstream_reset_before_response_started{connection_termination}", false),
+            "500" => ("500", "via_upstream", false),
+            status => (status, "via_upstream", true),
+        };
+        if completed && status != "504" {
+            s.response = Some((pairs(&[(":status", status), ("content-type", "text/plain")]), body.clone()));
+        } else {
+            s.response =
+                Some((pairs(&[(":status", status), ("content-type", "text/plain")]), b"envoy".to_vec()));
+        }
+        s.details = details;
+        if completed {
+            self.completing.push((i, key, body));
+        }
+        Ok(())
+    }
+
+    /// A stream runs its request: never for a key this VM left in doubt, unless it runs degraded
+    /// (the store failed; the local fallback does not hold in-doubt keys).
+    fn check_not_in_doubt(&mut self, i: usize) -> Result<(), String> {
+        let s = &self.streams[i];
+        let Some(key) = s.store_key.as_deref() else { return Ok(()) };
+        if !self.doubt.contains_key(key) {
+            return Ok(());
+        }
+        if self.outcomes.get(&s.id) == Some(&"degraded") {
+            self.tally.degraded_in_doubt += 1;
+            return Ok(());
+        }
+        self.violation(format!("stream {} ran key {} while it is in doubt", s.id, &key[..8]))
     }
 
     /// Carries out the coordinator's commands, as the host's loop does.
     fn commands(&mut self) -> Result<(), String> {
         while let Some(command) = self.coord.poll() {
             self.carry_out(command)?;
+        }
+        for i in std::mem::take(&mut self.ran_now) {
+            self.check_not_in_doubt(i)?;
+        }
+        // The application keeps the first effect under a store key (a unique column), of the
+        // executions that ran under the store's lock: one run degraded (the store failed) may be
+        // for another body under the same key, which the store would have refused.
+        for (i, key, body) in std::mem::take(&mut self.completing) {
+            if self.outcomes.get(&self.streams[i].id) != Some(&"degraded") {
+                self.completed.entry(key).or_insert(body);
+            }
         }
         Ok(())
     }
@@ -587,7 +682,7 @@ impl World {
                 }
                 self.trace.push(format!("  resume {stream}"));
                 self.streams[i].phase = Phase::ResponseHeaders;
-                self.execute_routed(i);
+                self.execute_routed(i)?;
             }
             Command::SetResponseHeader { stream, .. } => {
                 if self.callback != Callback::Stream(stream) {
@@ -611,8 +706,9 @@ impl World {
                         .violation(format!("a request header removed outside stream {stream}'s callback"));
                 }
             }
-            Command::Outcome { stream, .. } => {
+            Command::Outcome { stream, outcome } => {
                 self.addressed(stream, "an outcome", false)?;
+                self.outcomes.insert(stream, outcome);
             }
             Command::Count(Metric::CacheHits) => {
                 let Some((i, status, body)) = self.last_own_answer.take() else {
@@ -647,7 +743,7 @@ impl World {
                             StoreCall::Commit { key, token, .. } => {
                                 self.note_lock_end(true, &key, &token.to_string(), false)?
                             }
-                            StoreCall::Release { key, token } => {
+                            StoreCall::Release { key, token, .. } => {
                                 self.note_lock_end(false, &key, &token.to_string(), false)?
                             }
                             StoreCall::Begin { .. } => {}

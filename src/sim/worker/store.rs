@@ -163,13 +163,27 @@ impl World {
         self.trace.push(format!("another replica stored {client_key} {body}"));
     }
 
-    /// The detached call reaches the upstream, which runs it.
+    /// The detached call reaches the upstream, which runs it; or the application answers an
+    /// `outcome_lookup` from what it completed under that store key.
     pub(super) fn execute_detached(&mut self, call: &Dispatch) -> Message {
+        if let Some(key) = header(&call.headers, ":path").and_then(|p| p.strip_prefix("/by-key/")) {
+            self.tally.lookups += 1;
+            let served = [("x-envoy-upstream-service-time", "1")];
+            return match self.completed.get(key) {
+                Some(body) => {
+                    (pairs(&[(":status", "201"), ("content-type", "text/plain"), served[0]]), body.clone())
+                }
+                None => (pairs(&[(":status", "404"), served[0]]), vec![]),
+            };
+        }
         self.executions += 1;
         self.tally.executions += 1;
         let body = call.body.clone().unwrap_or_default();
         let key = header(&call.headers, "idempotency-key").unwrap_or_default();
         let text = format!("exec {} of {} {}", self.executions, key, String::from_utf8_lossy(&body));
+        if let Some(store_key) = header(&call.headers, "x-store-key") {
+            self.completed.entry(store_key.to_string()).or_insert_with(|| text.clone().into_bytes());
+        }
         (pairs(&[(":status", "201"), ("content-type", "text/plain")]), text.into_bytes())
     }
 
@@ -186,9 +200,36 @@ impl World {
             proto::PATH_RELEASE => Some(false),
             _ => None,
         };
+        let in_doubt = header(&call.headers, proto::HEADER_IN_DOUBT) == Some("1");
+        if ends == Some(true) && !self.granted.contains_key(token) && self.unknown_in_doubt.contains(token) {
+            if answered {
+                self.unknown_in_doubt.remove(token);
+            }
+            return Ok(());
+        }
         match ends {
+            // Once the store named the attempt in doubt, one commit under its token besides the
+            // lock's own end (its release in doubt, or its own late commit, in either order): a
+            // lookup's answer, committed as the attempt's own late commit would be.
+            Some(true)
+                if self
+                    .granted
+                    .get(token)
+                    .is_some_and(|g| g.in_doubt && !g.resolved && g.key == call_key(call)) =>
+            {
+                if let Some(g) = self.granted.get_mut(token) {
+                    g.resolved = answered;
+                }
+                Ok(())
+            }
             Some(commit) if call.cluster == self.cfg.store_cluster => {
-                self.note_lock_end(commit, call_key(call), token, answered)
+                self.note_lock_end(commit, call_key(call), token, answered)?;
+                if !commit && in_doubt && answered {
+                    if let Some(g) = self.granted.get_mut(token) {
+                        g.in_doubt = true;
+                    }
+                }
+                Ok(())
             }
             _ => Ok(()),
         }
@@ -240,11 +281,23 @@ impl World {
         let stored =
             Stored::Record { body_hash: body_hash.to_string(), bytes, expires_us: now + retention_us };
         self.store.insert(key.to_string(), stored);
+        // A record supersedes the attempt's trace: the key is resolved.
+        self.traces.remove(key);
+        self.doubt.remove(key);
         self.tally.commits += 1;
         if owned {
             CommitOutcome::Stored
         } else {
             CommitOutcome::Late
+        }
+    }
+
+    /// Forgets the trace of `key` once it expired.
+    pub(super) fn expire_trace(&mut self, key: &str) {
+        let now = self.clock.0.get();
+        if self.traces.get(key).is_some_and(|t| t.expires_us <= now) {
+            self.traces.remove(key);
+            self.doubt.remove(key);
         }
     }
 
@@ -279,42 +332,103 @@ impl World {
                 self.tally.expired_begins += 1;
                 (outcome("expired"), vec![])
             }
-            proto::PATH_BEGIN => match self.store.get(&key) {
-                Some(Stored::Record { body_hash, bytes, expires_us })
-                    if *body_hash == h(proto::HEADER_BODY_HASH) =>
+            proto::PATH_BEGIN => {
+                let hold = h(proto::HEADER_HOLD) == "1";
+                let body_hash = h(proto::HEADER_BODY_HASH);
+                self.expire_trace(&key);
+                let locked = matches!(self.store.get(&key), Some(Stored::Lock { .. }));
+                let supersede = h(proto::HEADER_SUPERSEDE);
+                if hold
+                    && !supersede.is_empty()
+                    && !locked
+                    && self.traces.get(&key).is_some_and(|t| t.token == supersede)
                 {
-                    let mut headers = outcome("record");
-                    headers.push((proto::HEADER_TTL_MS, ((expires_us - now) / 1000).to_string()));
-                    (headers, bytes.clone())
+                    self.traces.remove(&key);
+                    self.doubt.remove(&key);
+                    self.tally.superseded += 1;
                 }
-                Some(Stored::Record { .. }) => (outcome("mismatch"), vec![]),
-                Some(Stored::Lock { .. }) => (outcome("busy"), vec![]),
-                None => {
-                    self.next_lock += 1;
-                    let token = format!("tok{}", self.next_lock);
-                    let ttl_us = h(proto::HEADER_LOCK_TTL_MS).parse::<u64>().unwrap_or(0) * 1000;
-                    self.store
-                        .insert(key.clone(), Stored::Lock { token: token.clone(), expires_us: now + ttl_us });
-                    if delivered {
-                        self.tally.locks += 1;
-                        self.granted.insert(token.clone(), Granted { key: key.clone(), ends: vec![] });
+                match (self.store.get(&key), self.traces.get(&key).filter(|_| hold)) {
+                    (Some(Stored::Record { body_hash: stored, bytes, expires_us }), _)
+                        if *stored == body_hash =>
+                    {
+                        let mut headers = outcome("record");
+                        headers.push((proto::HEADER_TTL_MS, ((expires_us - now) / 1000).to_string()));
+                        (headers, bytes.clone())
                     }
-                    let mut headers = outcome("locked");
-                    headers.push((proto::HEADER_TOKEN, token));
-                    (headers, vec![])
+                    (Some(Stored::Record { .. }), _) => (outcome("mismatch"), vec![]),
+                    (Some(Stored::Lock { .. }), _) => (outcome("busy"), vec![]),
+                    (None, Some(t)) if t.body_hash != body_hash => (outcome("mismatch"), vec![]),
+                    (None, Some(t)) => {
+                        // The filter may commit under it now (a lookup's answer), once; a lock it
+                        // never learned it had (the begin's answer was lost) too.
+                        match self.granted.get_mut(&t.token) {
+                            Some(g) => g.in_doubt = true,
+                            None => {
+                                self.unknown_in_doubt.insert(t.token.clone());
+                            }
+                        }
+                        let running_ms = (t.started_us + t.lock_ttl_us).saturating_sub(now).div_ceil(1000);
+                        let mut headers = outcome("in-doubt");
+                        headers.push((proto::HEADER_TOKEN, t.token.clone()));
+                        headers.push((proto::HEADER_STARTED_MS, (t.started_us / 1000).to_string()));
+                        headers.push((proto::HEADER_RUNNING_MS, running_ms.to_string()));
+                        self.tally.in_doubt_answers += 1;
+                        (headers, vec![])
+                    }
+                    (None, None) => {
+                        self.next_lock += 1;
+                        let token = format!("tok{}", self.next_lock);
+                        let ttl_us = h(proto::HEADER_LOCK_TTL_MS).parse::<u64>().unwrap_or(0) * 1000;
+                        self.store.insert(
+                            key.clone(),
+                            Stored::Lock { token: token.clone(), expires_us: now + ttl_us },
+                        );
+                        if hold {
+                            let retention_us =
+                                h(proto::HEADER_RETENTION_S).parse::<u64>().unwrap_or(0) * 1_000_000;
+                            let trace = Trace {
+                                token: token.clone(),
+                                started_us: now,
+                                lock_ttl_us: ttl_us,
+                                body_hash,
+                                expires_us: now + retention_us.max(ttl_us),
+                            };
+                            self.traces.insert(key.clone(), trace);
+                        }
+                        if delivered {
+                            self.tally.locks += 1;
+                            let g =
+                                Granted { key: key.clone(), ends: vec![], in_doubt: false, resolved: false };
+                            self.granted.insert(token.clone(), g);
+                        }
+                        let mut headers = outcome("locked");
+                        headers.push((proto::HEADER_TOKEN, token));
+                        (headers, vec![])
+                    }
                 }
-            },
+            }
             path @ (proto::PATH_COMMIT | proto::PATH_RELEASE) => {
                 let commit = path == proto::PATH_COMMIT;
                 let token = h(proto::HEADER_TOKEN);
                 let owned =
                     matches!(self.store.get(&key), Some(Stored::Lock { token: t, .. }) if *t == token);
                 if !commit {
+                    let in_doubt = h(proto::HEADER_IN_DOUBT) == "1";
                     if owned {
                         self.store.remove(&key);
                         self.tally.releases += 1;
                     }
-                    (outcome(if owned { "released" } else { "not-owner" }), vec![])
+                    self.expire_trace(&key);
+                    let traced = self.traces.get(&key).is_some_and(|t| t.token == token);
+                    if traced && !in_doubt {
+                        self.traces.remove(&key);
+                    }
+                    if traced && in_doubt && owned {
+                        self.doubt.insert(key.clone(), token.clone());
+                        self.tally.left_in_doubt += 1;
+                    }
+                    let done = owned || traced && !in_doubt;
+                    (outcome(if done { "released" } else { "not-owner" }), vec![])
                 } else {
                     let retention_us = h(proto::HEADER_RETENTION_S).parse::<u64>().unwrap_or(0) * 1_000_000;
                     let bytes = call.body.clone().unwrap_or_default();

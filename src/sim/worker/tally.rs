@@ -39,6 +39,17 @@ pub struct Tally {
     pub streams_opened: u32,
     /// Answers on the store stream after their call's deadline.
     pub late_answers: u32,
+    /// Attempts the store took an in-doubt release of (their keys in doubt).
+    pub left_in_doubt: u32,
+    /// `begin`s the store answered `in-doubt`.
+    pub in_doubt_answers: u32,
+    /// In-doubt traces a `begin` superseded (a lookup's `404` after the attempt's lock TTL).
+    pub superseded: u32,
+    /// `outcome_lookup` calls the application answered.
+    pub lookups: u32,
+    /// Executions of a key the VM had left in doubt, while the store failed (degraded): the local
+    /// fallback does not hold in-doubt keys.
+    pub degraded_in_doubt: u32,
 }
 
 impl Tally {
@@ -69,6 +80,11 @@ impl Tally {
             (&mut self.withheld, o.withheld),
             (&mut self.streams_opened, o.streams_opened),
             (&mut self.late_answers, o.late_answers),
+            (&mut self.left_in_doubt, o.left_in_doubt),
+            (&mut self.in_doubt_answers, o.in_doubt_answers),
+            (&mut self.superseded, o.superseded),
+            (&mut self.lookups, o.lookups),
+            (&mut self.degraded_in_doubt, o.degraded_in_doubt),
         ];
         for (sum, n) in pairs {
             *sum += n;
@@ -101,6 +117,9 @@ impl Tally {
             self.withheld,
             self.streams_opened,
             self.late_answers,
+            self.left_in_doubt,
+            self.in_doubt_answers,
+            self.lookups,
         ]
         .iter()
         .all(|&v| v >= n)

@@ -78,6 +78,8 @@ fn as_answer(id: u64, call: &Dispatch, (headers, body): Message) -> Vec<u8> {
             ttl_ms: h(proto::HEADER_TTL_MS).parse().unwrap_or(0),
             token: h(proto::HEADER_TOKEN),
             lock_remaining_ms: 0,
+            started_ms: h(proto::HEADER_STARTED_MS).parse().unwrap_or(0),
+            running_ms: h(proto::HEADER_RUNNING_MS).parse().unwrap_or(0),
         }),
         Some(proto::PATH_COMMIT) => Outcome::Committed(outcome),
         _ => Outcome::Released(outcome),

@@ -59,13 +59,13 @@ fn detached_answer_goes_to_the_client_and_the_store() {
     let mut v = MockView::default();
     v.resp(":status", "201").resp("content-type", "application/json");
     assert_eq!(s.on_response_headers(&v, true), Step::go(vec![]));
-    assert_eq!(s.on_stream_end(), vec![]);
+    assert_eq!(s.on_stream_end(&MockView::default()), vec![]);
 }
 
 #[test]
 fn detached_answer_after_the_client_left_is_still_committed() {
     let (mut s, _, _) = detached_locked();
-    assert_eq!(s.on_stream_end(), vec![], "the call goes on");
+    assert_eq!(s.on_stream_end(&MockView::default()), vec![], "the call goes on");
     assert!(!s.is_settled());
     let effects = s.on_upstream_answer(Ok(answer("200", Some("application/json"), b"{}")), None);
     assert!(matches!(
@@ -76,7 +76,7 @@ fn detached_answer_after_the_client_left_is_still_committed() {
 }
 
 #[test]
-fn detached_failures_release_the_lock() {
+fn detached_failures_release_the_lock_or_leave_it_in_doubt() {
     let (mut s, key, _) = detached_locked();
     let effects = s.on_upstream_answer(Ok(answer("500", Some("application/json"), b"{}")), None);
     assert_eq!(respond_status(&effects), Some(500));
@@ -97,19 +97,26 @@ fn detached_failures_release_the_lock() {
     let [_, Effect::Store(StoreCall::Commit { record, .. })] = &effects[..] else { panic!("{effects:?}") };
     assert!(Record::decode(record).unwrap().body_omitted);
 
+    // A reset or a timeout after the call went out: the key is in doubt (the client, if still
+    // there, gets 502 / 504); `run_again` releases it.
     let (mut s, key, _) = detached_locked();
     let effects = s.on_upstream_answer(Err(CalloutFault::Reset), None);
     assert_eq!(respond_status(&effects), Some(502));
-    assert_eq!(effects[1..], release_of(&key)[..]);
+    assert_eq!(effects[1..], in_doubt_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
     let effects = s.on_upstream_answer(Err(CalloutFault::Timeout), None);
     assert_eq!(respond_status(&effects), Some(504));
-    assert_eq!(effects[1..], release_of(&key)[..]);
+    assert_eq!(effects[1..], in_doubt_of(&key)[..]);
 
     let (mut s, key, _) = detached_locked();
-    s.on_stream_end();
-    assert_eq!(s.on_upstream_answer(Err(CalloutFault::Reset), None), release_of(&key));
+    s.on_stream_end(&MockView::default());
+    assert_eq!(s.on_upstream_answer(Err(CalloutFault::Reset), None), in_doubt_of(&key));
+
+    // Never dispatched: released.
+    let (mut s, key, _) = detached_locked();
+    s.on_stream_end(&MockView::default());
+    assert_eq!(s.on_upstream_answer(Err(CalloutFault::Dispatch), None), release_of(&key));
 }
 
 #[test]

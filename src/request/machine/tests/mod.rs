@@ -58,9 +58,16 @@ fn executing(extra: &str) -> (Machine, String) {
     (s, key)
 }
 
+fn in_doubt_of(key: &str) -> Vec<Effect> {
+    vec![
+        Effect::Store(StoreCall::Release { key: key.into(), token: "t1".into(), in_doubt: true }),
+        Effect::Count(Metric::InDoubt),
+    ]
+}
+
 fn release_of(key: &str) -> Vec<Effect> {
     vec![
-        Effect::Store(StoreCall::Release { key: key.into(), token: "t1".into() }),
+        Effect::Store(StoreCall::Release { key: key.into(), token: "t1".into(), in_doubt: false }),
         Effect::Count(Metric::Released),
     ]
 }
@@ -77,6 +84,7 @@ fn answer(status: &str, content_type: Option<&str>, body: &[u8]) -> UpstreamAnsw
 }
 
 mod detached;
+mod endings;
 mod grpc;
 mod inbox;
 mod on_begin;

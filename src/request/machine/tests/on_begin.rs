@@ -63,7 +63,7 @@ fn store_faults_fail_open_or_closed() {
         let mut v = MockView::default();
         v.resp(":status", "201").resp("content-type", "application/json");
         assert_eq!(s.on_response_headers(&v, true), Step::go(vec![]));
-        assert_eq!(s.on_stream_end(), vec![]);
+        assert_eq!(s.on_stream_end(&MockView::default()), vec![]);
 
         let mut s = Machine::new(cfg(r#","failure_mode":"closed""#));
         s.on_request_headers(&MockView::post(Some("k")), true);

@@ -20,7 +20,7 @@ fn unguarded_methods_and_keyless_requests_pass() {
     // Nothing afterwards touches the stream.
     assert!(s.is_done());
     assert_eq!(s.on_request_body(&MockView::post(None), 5, true), Step::go(vec![]));
-    assert_eq!(s.on_stream_end(), vec![]);
+    assert_eq!(s.on_stream_end(&MockView::default()), vec![]);
 }
 
 #[test]
@@ -64,7 +64,7 @@ fn streamed_oversized_body_gets_413() {
     assert_eq!(s.on_request_body(&v, 60, false), Step::pause(vec![]));
     let step = s.on_request_body(&v, 101, false);
     assert_eq!(respond_status(&step.effects), Some(413));
-    assert_eq!(s.on_stream_end(), vec![], "no lock was taken");
+    assert_eq!(s.on_stream_end(&MockView::default()), vec![], "no lock was taken");
 }
 
 #[test]

@@ -30,7 +30,7 @@ fn json_2xx_is_committed_with_allow_listed_headers() {
         record.headers,
         vec![("content-type".into(), "application/json".into()), ("location".into(), "/orders/7".into())]
     );
-    assert_eq!(s.on_stream_end(), vec![], "committed: nothing left to release");
+    assert_eq!(s.on_stream_end(&MockView::default()), vec![], "committed: nothing left to release");
 }
 
 #[test]
@@ -89,7 +89,7 @@ fn unstorable_responses_release_the_lock() {
         }
         assert_eq!(s.on_response_headers(&v, false), Step::go(release_of(&key)), "{headers:?}");
         assert_eq!(s.on_response_body(&v, 0, true), Step::go(vec![]));
-        assert_eq!(s.on_stream_end(), vec![]);
+        assert_eq!(s.on_stream_end(&MockView::default()), vec![]);
     }
 }
 
@@ -243,23 +243,27 @@ fn response_trailers_end_the_capture() {
 }
 
 #[test]
-fn reset_or_client_gone_releases_the_lock() {
+fn client_gone_or_an_answer_cut_leaves_the_key_in_doubt() {
     let (mut s, key) = executing("");
-    assert_eq!(s.on_stream_end(), release_of(&key), "upstream reset before any response");
+    assert_eq!(s.on_stream_end(&MockView::default()), in_doubt_of(&key), "client gone before any response");
 
     let (mut s, key) = executing("");
     let mut v = MockView::default();
     v.resp(":status", "200").resp("content-type", "application/json");
     s.on_response_headers(&v, false);
-    assert_eq!(s.on_stream_end(), release_of(&key), "client gone mid-response");
-    assert_eq!(s.on_stream_end(), vec![]);
+    assert_eq!(s.on_stream_end(&MockView::default()), in_doubt_of(&key), "answer cut mid-body");
+    assert_eq!(s.on_stream_end(&MockView::default()), vec![]);
+
+    // `run_again`: released, as before.
+    let (mut s, key) = executing(r#","unknown_outcome":"run_again""#);
+    assert_eq!(s.on_stream_end(&MockView::default()), release_of(&key));
 }
 
 #[test]
 fn stream_ending_while_begin_is_pending_releases_a_late_lock() {
     let mut s = Machine::new(cfg(""));
     let key = begin_call(&s.on_request_headers(&MockView::post(Some("k")), true).effects).0;
-    assert_eq!(s.on_stream_end(), vec![]);
+    assert_eq!(s.on_stream_end(&MockView::default()), vec![]);
     assert!(!s.is_settled(), "the entry must outlive the stream until begin answers");
     let effects = s.on_begin_answer(Ok(BeginAnswer::Locked { token: "t1".into() }));
     assert_eq!(effects, release_of(&key), "no Resume for a stream that is gone");
@@ -270,7 +274,7 @@ fn stream_ending_while_begin_is_pending_releases_a_late_lock() {
     {
         let mut s = Machine::new(cfg(""));
         s.on_request_headers(&MockView::post(Some("k")), true);
-        s.on_stream_end();
+        s.on_stream_end(&MockView::default());
         assert_eq!(s.on_begin_answer(answer), vec![]);
         assert!(s.is_settled());
     }

@@ -15,7 +15,7 @@ fn random_event_sequences_keep_the_invariants() {
         seed % n
     };
     let mut seen = Tally::default();
-    for _ in 0..5000 {
+    for _ in 0..12_000 {
         let mut v = MockView::post(if next(5) == 0 { None } else { Some("k") });
         v.prop("xds.cluster_name", "app");
         v.request_body = vec![b'x'; 120];
@@ -32,14 +32,21 @@ fn random_event_sequences_keep_the_invariants() {
             DETACHED,
             r#","fingerprint_json":{"ignore":["/a"]},"store_statuses":["2xx","404"],"fingerprint_headers":["x-t"]"#,
             r#","record_too_large":"release","store_content_types":["application/json"]"#,
+            r#","unknown_outcome":"run_again""#,
+            r#","store_key_header":"x-k","outcome_lookup":{"path":"/by-key/{key}"}"#,
         ];
-        let mut d = Driver::new(cfg(configs[next(5) as usize]), v);
+        let mut d = Driver::new(cfg(configs[next(7) as usize]), v);
         for _ in 0..12 {
             let event = match next(10) {
                 0 => Event::RequestHeaders { end_of_stream: next(2) == 0 },
                 1 => Event::RequestBody { buffered: next(121) as usize, end_of_stream: next(2) == 0 },
                 2 => Event::RequestTrailers,
-                3 => Event::BeginAnswer(match next(8) {
+                3 => Event::BeginAnswer(match next(10) {
+                    8 | 9 => Ok(BeginAnswer::InDoubt {
+                        token: "t0".into(),
+                        started_ms: 1,
+                        running_ms: [0, 0, 2_000][next(3) as usize],
+                    }),
                     0 => Ok(BeginAnswer::Busy { lock_ms: [None, Some(1), Some(90_000)][next(3) as usize] }),
                     1 => Ok(BeginAnswer::Mismatch),
                     2 => Ok(BeginAnswer::Replay(Record::status_only(200))),
@@ -76,16 +83,29 @@ fn random_event_sequences_keep_the_invariants() {
                     if next(4) == 0 {
                         headers.push(("content-length".into(), next(80).to_string().into_bytes()));
                     }
-                    Event::ResponseHeaders { headers, end_of_stream: next(3) == 0 }
+                    let details = [
+                        None,
+                        Some("via_upstream"),
+                        Some("via_upstream"),
+                        Some("response_timeout"),
+                        Some("upstream_reset_before_response_started{remote_reset}"),
+                        Some("upstream_reset_before_response_started{remote_connection_failure}"),
+                        Some("no_healthy_upstream"),
+                    ][next(7) as usize];
+                    Event::ResponseHeaders {
+                        headers,
+                        details: details.map(String::from),
+                        end_of_stream: next(3) == 0,
+                    }
                 }
                 6 | 7 => {
                     Event::ResponseBody { chunk: vec![b'y'; next(41) as usize], end_of_stream: next(3) == 0 }
                 }
                 8 => Event::ResponseTrailers,
-                9 if next(2) == 0 => Event::UpstreamAnswer(if next(4) == 0 {
-                    Err(CalloutFault::Timeout)
-                } else {
-                    Ok(answer(["201", "500"][next(2) as usize], None, b""))
+                9 if next(2) == 0 => Event::UpstreamAnswer(match next(6) {
+                    0 => Err(CalloutFault::Timeout),
+                    1 => Err(CalloutFault::Reset),
+                    n => Ok(answer(["201", "500", "404", "200"][(n - 2) as usize], None, b"")),
                 }),
                 _ => Event::StreamEnd,
             };
@@ -104,15 +124,26 @@ fn random_event_sequences_keep_the_invariants() {
             (&mut seen.begins, t.begins),
             (&mut seen.commits, t.commits),
             (&mut seen.releases, t.releases),
+            (&mut seen.in_doubt, t.in_doubt),
+            (&mut seen.lookups, t.lookups),
         ] {
             *sum += n;
         }
     }
     // The sample reaches every path, so the invariants above were checked on each.
     assert!(
-        [seen.responds, seen.resumes, seen.upstreams, seen.begins, seen.commits, seen.releases]
-            .iter()
-            .all(|&n| n >= 20),
+        [
+            seen.responds,
+            seen.resumes,
+            seen.upstreams,
+            seen.begins,
+            seen.commits,
+            seen.releases,
+            seen.in_doubt,
+            seen.lookups
+        ]
+        .iter()
+        .all(|&n| n >= 20),
         "{seen:?}"
     );
 }
