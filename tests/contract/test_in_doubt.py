@@ -333,3 +333,26 @@ def test_run_again_runs_the_retry(world):
     retry = world.post("again", path, key)
     assert (retry.status, retry.header(REPLAY)) == (201, None), retry
     assert world.upstream.count(path=path) == 2
+
+
+def h2_post(world: World, listener: str, path: str, key: str, headers=(), body: bytes = b'{"item":"book"}',
+            timeout: float = 15.0) -> h.Response | None:
+    with H2Client(world.port(listener)) as c:
+        sid = c.send("POST", path, [("idempotency-key", key), JSON, *headers], body)
+        return c.response(sid, timeout=timeout)
+
+
+@pytest.mark.parametrize("row", ["route_timeout", "work_done_then_reset", "detached_timeout"])
+def test_the_rows_over_http2(world, row):
+    """The table's rows with the client on HTTP/2 (prior knowledge): one execution, and the retry
+    `409` `outcome-unknown`."""
+    listener, route_name, headers, status = {
+        "route_timeout": ("hold", "slow", [("x-test-sleep-ms", "2000")], 504),
+        "work_done_then_reset": ("hold", "orders", [("x-test-reset", "1")], 503),
+        "detached_timeout": ("detached", "orders", [("x-test-sleep-ms", "2000")], 504),
+    }[row]
+    key, path = new_key(f"h2-{row}"), uniq(route_name)
+    first = h2_post(world, listener, path, key, headers)
+    assert first is not None and first.status == status, first
+    outcome_unknown(h2_post(world, listener, path, key))
+    assert world.upstream.count(path=path) == 1
