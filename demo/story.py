@@ -2,6 +2,8 @@
 """The story `make demo` tells against the local stack (`make run`'s ports), printing each step:
 
 1. a client creates an order, "loses" the answer and retries: the same order, replayed;
+   a phone gives up on a slow order (the app still makes it): its retry does not order twice,
+   the app's answer (found by `outcome_lookup`) is replayed;
 2. the same key with a changed body: 422;
 3. twenty concurrent retries of one request: one order;
 4. the same twenty without the filter (straight to the app): twenty orders;
@@ -27,7 +29,8 @@ import uuid
 ENVOY = ("127.0.0.1", 10000)
 ADMIN = ("127.0.0.1", 9901)
 APP = ("127.0.0.1", 8081)
-COUNTERS = ("guarded", "executed", "replayed", "mismatched", "conflicted", "rejected", "degraded", "stored")
+COUNTERS = ("guarded", "executed", "replayed", "mismatched", "conflicted", "rejected", "degraded", "stored",
+            "in_doubt", "in_doubt_resolved.lookup")
 
 failures: list[str] = []
 
@@ -84,7 +87,7 @@ def counters() -> dict[str, int]:
     out = {}
     for s in doc["stats"]:
         if "value" in s:  # counters; the store latency histograms come as another entry
-            out[s["name"].rsplit(".", 1)[1]] = s["value"]
+            out[s["name"].removeprefix("wasmcustom.idempotency.")] = s["value"]
     return out
 
 
@@ -124,6 +127,28 @@ def main() -> int:
     show(status, headers, again)
     check(status == 201 and again == first, f"the same order {first.get('id') if isinstance(first, dict) else '?'}")
     check(headers.get("x-idempotent-replay") == "true", "x-idempotent-replay: true")
+
+    bob = f"order-{run}-2"
+    lamp = {"item": "lamp", "qty": 1, "customer": "bob"}
+    print(f"   Bob orders a lamp (Idempotency-Key: {bob}); the app takes 2 s, his phone gives up after 1 s")
+    try:
+        call(ENVOY, "POST", "/orders", lamp, {"Idempotency-Key": bob, "x-demo-delay-ms": "2000"}, timeout=1)
+        check(False, "the phone gave up")
+    except TimeoutError:
+        print("   -> no answer")
+
+    def bobs_orders():
+        return [o for o in call(APP, "GET", "/orders")[2]["orders"] if o.get("customer") == "bob"]
+
+    deadline = time.monotonic() + 10
+    while not bobs_orders() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("   ... the app made the order all the same; the phone retries the same request")
+    status, headers, again = call(ENVOY, "POST", "/orders", lamp, {"Idempotency-Key": bob})
+    show(status, headers, again)
+    check(status == 201 and headers.get("x-idempotent-replay") == "true",
+          "201, the app's order replayed (the filter asked it: outcome_lookup)")
+    check(len(bobs_orders()) == 1, "one lamp ordered")
 
     print("2. A buggy client reuses the key with a different body")
     status, headers, doc = call(ENVOY, "POST", "/orders", {**order, "qty": 2}, {"Idempotency-Key": key})
@@ -198,9 +223,11 @@ def main() -> int:
     after = counters()
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
     print("   " + "  ".join(f"{k}={v}" for k, v in delta.items()))
-    check(delta["guarded"] == 27 and delta["executed"] == 4 and delta["replayed"] == 22
-          and delta["mismatched"] == 1 and delta["degraded"] == 0,
-          "guarded 27 = executed 4 + replayed 22 + mismatched 1 (the searches not guarded); degraded 0")
+    check(delta["guarded"] == 29 and delta["executed"] == 5 and delta["replayed"] == 22
+          and delta["mismatched"] == 1 and delta["in_doubt_resolved.lookup"] == 1 and delta["degraded"] == 0,
+          "guarded 29 = executed 5 + replayed 22 + mismatched 1 + resolved by lookup 1 (the searches "
+          "not guarded); degraded 0")
+    check(delta["in_doubt"] == 1, "in doubt 1: Bob's lamp, until the lookup")
     check(delta["rejected"] == 1, "rejected 1: the payment without a key")
 
     print()
