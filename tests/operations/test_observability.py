@@ -30,7 +30,7 @@ COUNTERS = ["guarded", "replayed", "executed", "stored", "mismatched", "conflict
             "unavailable", "passthrough", "released", "commit_failed", "store_errors", "detached",
             "committed_after_gone", "cache_hits", "store_skipped", "local_locks", "local_replays", "handed_back",
             "handback_dropped", "minted", "grpc_unguarded", "store_streams_opened", "store_stream_resets",
-            "store_stream_calls"]
+            "store_stream_calls", "in_doubt", "outcome_unknown", "in_doubt_resolved_lookup", "in_doubt_resolved_rerun"]
 HISTOGRAMS = ["store_us_begin", "store_us_commit", "store_us_release"]
 
 
