@@ -104,7 +104,7 @@ def post(port: int, key: str, body: str = '{"item":"book"}') -> h.Response:
 
 
 def store_key(client_key: str, subject: str = "anon:127.0.0.1", method: str = "POST", route: str = "orders") -> str:
-    """The filter's store key (src/key.rs): SHA-256 over the length-prefixed scope."""
+    """The filter's store key (protocol/src/key.rs): SHA-256 over the length-prefixed scope."""
     digest = hashlib.sha256(b"idempotency-key/v1")
     for field in (subject, method, route, client_key):
         data = field.encode()

@@ -44,7 +44,8 @@ TOKEN = "x-idem-token"
 
 
 def record(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-    """A record in the filter's wire form (src/record.rs), for variants that are almost right."""
+    """A record in the filter's first wire form (`IDR1`, which src/store/record.rs still reads), for
+    variants that are almost right."""
     out = b"IDR1" + struct.pack(">HH", status, len(headers))
     for name, value in headers:
         out += struct.pack(">H", len(name)) + name + struct.pack(">I", len(value)) + value
