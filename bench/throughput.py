@@ -10,8 +10,8 @@ The stack, all on loopback:
 - `idem`: Envoy `--concurrency 2` with the filter (default configuration but `store_cluster`),
   routes `slow` (`/slow...` -> the 5 ms upstream) and `fast` (everything else);
 - `plain`: the same Envoy, same listener and routes, router only;
-- `routes`: the filter Envoy again, its configuration with three route policies (issue 28:
-  `routes` with `payments`, `webhooks` and `orders`; the benchmarked path is on `orders`):
+- `routes`: the filter Envoy again, its configuration with three route policies (`routes`
+  with `payments`, `webhooks` and `orders`; the benchmarked path is on `orders`):
   measured on pass-through and unique-1k, against `idem` (one configuration for every route).
 
 Every front Envoy has the same routes: `slow` (/slow), `payments`, `webhooks`, `orders`,
@@ -84,9 +84,9 @@ SCENARIOS = [
     Scenario("body-1m", "a new key per request, 1 MiB", "/fast/orders", "unique", MIB),
 ]
 BY_NAME = {s.name: s for s in SCENARIOS}
-# The scenarios also run through `routes`, the filter with three route policies (issue 28).
+# The scenarios also run through `routes`, the filter with three route policies.
 ROUTES_SCENARIOS = ("passthrough", "unique-1k")
-# Issue 28's three route policies; the benchmarked path (/fast/orders) is on `orders`, whose
+# The three route policies of `routes`; the benchmarked path (/fast/orders) is on `orders`, whose
 # policy changes nothing a unique key or a keyless POST does (a lock wait): the figures show
 # what looking the route up and switching to its configuration costs.
 ROUTE_POLICIES = {
@@ -195,7 +195,7 @@ class Stack:
         # run of one choice against another (e.g. {"store_transport": "callout"}).
         extra = json.loads(os.environ.get("BENCH_FILTER_EXTRA") or "{}")
         wasm = h.wasm_filter({"store_cluster": "idemstore", **extra}, h.wasm_path())
-        # `routes`: the same configuration with issue 28's three route policies.
+        # `routes`: the same configuration with the three route policies of ROUTE_POLICIES.
         routed = h.wasm_filter({"store_cluster": "idemstore", **extra, "routes": ROUTE_POLICIES}, h.wasm_path())
         # `skip`: the same filter wrapped as envoy/envoy.yaml ships it (behind the composite
         # matcher, Envoy does not create it for a request without an Idempotency-Key): measured
@@ -1034,8 +1034,8 @@ def peer_section(summaries: list[Summary], peer: dict) -> str:
 
 def goals_section(summaries: list[Summary], peer: dict | None, rtt: dict | None = None,
                   filter_lat: dict | None = None) -> str:
-    """The performance goals (issue 26: the store stream) against this run's figures, and for
-    each one missed where its time goes."""
+    """The performance goals set for the store stream (2026-12-04) against this run's figures,
+    and for each one missed where its time goes."""
     by = {s.sc.name: s for s in summaries}
     rows = []
     misses = []
@@ -1092,7 +1092,7 @@ def goals_section(summaries: list[Summary], peer: dict | None, rtt: dict | None 
          lambda x: x >= 0.60,
          lambda: f"by process (µs): {by_process(b)}; most duplicates wait on the store for the original's "
                  "commit and are replayed from its answer.")
-    # Not worse than before the store stream (the figures issue 26 was filed with).
+    # Not worse than before the store stream (the figures measured on HTTP callouts before it).
     for name, before in (("replay", 1.68), ("replay-5ms", 15.0), ("body-1m", 0.42)):
         s = by.get(name)
         goal(f"{name} not worse than {before:g}x", s.ratio if s else None, f"{s.ratio:.2f}x" if s else "",
@@ -1125,8 +1125,8 @@ def goals_section(summaries: list[Summary], peer: dict | None, rtt: dict | None 
                              "filter crosses the filter Envoy's VM, a message to idemstore and its Redis script, "
                              f"and back (by process, µs: {by_process(f)}). What that buys is in the contract "
                              "column: the peer ran burst keys and concurrent duplicates more than once.")
-    lines = ["## Goals", "", "The performance goals for this machine (issue 26, the store stream), against the "
-             "figures of this run (sections below).", "",
+    lines = ["## Goals", "", "The performance goals for this machine (set for the store stream, 2026-12-04), "
+             "against the figures of this run (sections below).", "",
              "| goal | measured | |", "|---|---|---|", *rows, ""]
     if misses:
         lines += ["Where the time goes, for each goal missed:", "", *misses, ""]

@@ -6,7 +6,7 @@ one filter Envoy (`--concurrency 2`) whose `idemstore` cluster has the shipped h
 (`/healthz`, panic threshold 0) and an access log with each request's outcome (filter state
 `wasm.idempotency_outcome`), so every request of the load is classified exactly.
 
-The drill (acceptance 3 of issue 27): client threads send fresh keys, each at least twice (an
+The drill (the master killed under load): client threads send fresh keys, each at least twice (an
 immediate retry, and later retries of older keys), while the master is SIGKILLed. Until the
 sentinels promote the replica, idemstore has no master (`/healthz` 503): Envoy's health check
 takes it out and the filter fails open under its local lock (one execution per key within the
@@ -26,7 +26,7 @@ seconds later (it waits 4 x its 2 s publish period after the role change), and t
 discards whatever was written there meanwhile; so idemstore has to notice the sentinels' new
 master by itself, within `FOLLOW_BOUND_S`, not only after a connection error or `READONLY`.
 
-Over TLS (issue 27: "TLS and AUTH to sentinels too"): `sentinel_stack(..., tls=True)` runs the
+Over TLS (TLS and AUTH to the sentinels too): `sentinel_stack(..., tls=True)` runs the
 nodes and the sentinels on TLS only with client certificates required (`support/secure.py`'s
 certificates) and gives idemstore `rediss://` sentinels, the CA and its client certificate; the
 short `test_sentinel_over_tls_master_killed` kills the master without load and checks replays,

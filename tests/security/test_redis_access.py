@@ -1,4 +1,4 @@
-"""idemstore's way to Redis and its own listener, secured (issue 27), with real processes:
+"""idemstore's way to Redis and its own listener, secured (TLS, ACL user, key prefix), with real processes:
 
 - Redis on TLS only, client certificates required: idemstore with the test CA and its client
   certificate, logged in as the ACL user of docs/security.md (the line read from there), guards

@@ -1,4 +1,4 @@
-"""Secured stores for the end-to-end suite (issue 27): idemstore reaching Redis over TLS as the
+"""Secured stores for the end-to-end suite: idemstore reaching Redis over TLS as the
 documented least-privilege ACL user with a key prefix, and idemstore's own listener on TLS
 requiring client certificates. `IDEM_SECURE_STORE=1` (`harness.secure_store`) makes
 `stack.start_backend` and `replicas.start_replica_set` (backend "redis") use it;
