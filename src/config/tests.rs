@@ -643,3 +643,103 @@ fn header_names_are_at_most_256_bytes() {
     let e = parse(&format!(r#"{{"store_cluster":"s","replay_headers":["{}"]}}"#, name(257))).unwrap_err();
     assert_eq!(e.key, "replay_headers", "{e}");
 }
+
+// The lists kept beside the key table (docs/configuration.md's per-route lists, the config fuzz
+// target's dictionary and seeds), each checked against it.
+
+use std::collections::BTreeSet;
+
+/// The keys that a bullet of docs/configuration.md names (the bullet that starts with
+/// `- **<label>**`): the names in backticks of its first sentence, leaving out what is in
+/// parentheses (`mode`'s values, remarks). In the order written, repeats kept.
+fn keys_listed_in_bullet(label: &str) -> Vec<String> {
+    let docs = include_str!("../../docs/configuration.md");
+    let start = docs
+        .find(&format!("\n- **{label}**"))
+        .unwrap_or_else(|| panic!("docs/configuration.md has no bullet `- **{label}**`"));
+    let bullet = &docs[start + 1..];
+    let end = ["\n- ", "\n\n"].iter().filter_map(|end| bullet.find(end)).min().unwrap_or(bullet.len());
+    let mut depth = 0usize;
+    let mut text = String::new();
+    for c in bullet[..end].chars() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            '\n' if depth == 0 => text.push(' '),
+            _ if depth == 0 => text.push(c),
+            _ => {}
+        }
+    }
+    let sentence = text.split(". ").next().unwrap_or_default();
+    sentence.split('`').skip(1).step_by(2).map(str::to_string).collect()
+}
+
+#[test]
+fn the_policy_lists_name_every_key_by_its_scope() {
+    // A policy may set any key that is not filter-wide (`routes::route` refuses those alone), and
+    // every such key is per-request.
+    let unknown: Vec<&&str> = routes::FILTER_WIDE.iter().filter(|k| !KEYS.contains(k)).collect();
+    assert!(unknown.is_empty(), "routes::FILTER_WIDE names keys the table has not: {unknown:?}");
+    let filter_wide: BTreeSet<&str> = routes::FILTER_WIDE.iter().copied().collect();
+    let per_request: BTreeSet<&str> = KEYS.iter().copied().filter(|k| !filter_wide.contains(k)).collect();
+    for (label, expected) in [("What a policy may set", per_request), ("Filter-wide", filter_wide)] {
+        let listed = keys_listed_in_bullet(label);
+        let names: BTreeSet<&str> = listed.iter().map(String::as_str).collect();
+        assert_eq!(
+            names.len(),
+            listed.len(),
+            "docs/configuration.md, {label:?}: a key named twice in {listed:?}"
+        );
+        let missing: Vec<&&str> = expected.difference(&names).collect();
+        let stray: Vec<&&str> = names.difference(&expected).collect();
+        assert!(
+            missing.is_empty() && stray.is_empty(),
+            "docs/configuration.md, \"Per-route policies\", {label:?}: missing {missing:?}, not of that list {stray:?}"
+        );
+    }
+}
+
+#[test]
+fn the_fuzz_dictionary_has_every_key() {
+    let dict: BTreeSet<&str> = include_str!("../../fuzz/dicts/config.dict").lines().map(str::trim).collect();
+    let missing: Vec<&&str> =
+        KEYS.iter().filter(|k| !dict.contains(format!(r#""\"{k}\"""#).as_str())).collect();
+    assert!(missing.is_empty(), r#"fuzz/dicts/config.dict has no line "\"<key>\"" for {missing:?}"#);
+}
+
+/// The environment the config fuzz target gives `store_secret_env` (fuzz/fuzz_targets/config.rs):
+/// the valid secret only.
+fn fuzz_env(name: &str) -> Option<String> {
+    (name == "IDEM_SECRET").then(|| "env-Secret~1".to_string())
+}
+
+#[test]
+fn the_every_key_seeds_are_accepted_and_together_set_every_key() {
+    // Some keys exclude others (`inbox` needs inbox mode, `store_secret_env` refuses
+    // `store_secret`): several seeds, every_key*.json, whose union is every key.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/config");
+    let mut seeds: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("every_key") && n.ends_with(".json"))
+        })
+        .collect();
+    seeds.sort();
+    assert!(!seeds.is_empty(), "no {}/every_key*.json", dir.display());
+    let mut set = BTreeSet::new();
+    for path in &seeds {
+        let bytes = std::fs::read(path).unwrap();
+        let c = Config::from_json_with_env(&bytes, &fuzz_env)
+            .unwrap_or_else(|e| panic!("{} is refused: {e}", path.display()));
+        // As the fuzz target asserts of every configuration it accepts.
+        let again = serde_json::to_vec(&c.to_raw()).unwrap();
+        assert_eq!(Config::from_json_with_env(&again, &fuzz_env), Ok(c), "{} written back", path.display());
+        let value: Value = serde_json::from_slice(&bytes).unwrap();
+        set.extend(value.as_object().unwrap().keys().cloned());
+    }
+    let missing: Vec<&&str> = KEYS.iter().filter(|k| !set.contains(**k)).collect();
+    assert!(missing.is_empty(), "no seed of {seeds:?} sets {missing:?}");
+}

@@ -22,7 +22,7 @@ pub fn answer(
     print: Option<&RequestPrint>,
     accept_encoding: &[Vec<u8>],
 ) -> (LocalResponse, Metric) {
-    let replayed = (cfg.replay_header.clone(), "true".to_string());
+    let replayed = marker(cfg);
     // Until when a retry of it is safe: when the store forgets the record, if that is known.
     let expiry = expiry(cfg, record.expires_ms);
     if let Some(status) = cfg.inbox().and_then(|i| i.duplicate_status) {
@@ -52,6 +52,12 @@ pub fn answer(
     headers.push(replayed);
     headers.extend(expiry);
     (LocalResponse { status: u32::from(record.status), headers, body: record.body }, Metric::Replayed)
+}
+
+/// The header that marks a replay, HTTP or gRPC: `replay_header` (the marker the filter adds)
+/// with the value `true`. Not `replay_headers`, the upstream's headers a record keeps.
+pub fn marker(cfg: &Config) -> (String, String) {
+    (cfg.replay_header.clone(), "true".to_string())
 }
 
 /// `expiry_header` with the moment (`expires_ms`, since the Unix epoch) a record expires, when

@@ -39,7 +39,7 @@ impl Machine {
         let mut metadata: Vec<(String, String)> =
             record.headers.into_iter().filter(|(n, _)| n != "content-type").collect();
         if replay {
-            metadata.push((self.cfg.replay_header.clone(), "true".to_string()));
+            metadata.push(replay::marker(&self.cfg));
         }
         if record.body_omitted {
             metadata.push((self.cfg.body_omitted_header.clone(), "true".to_string()));

@@ -649,7 +649,7 @@ impl World {
                 if s.answered || s.executed {
                     return self.violation(format!("a second answer for stream {stream}: {response:?}"));
                 }
-                let replay = response.headers.iter().any(|(n, v)| n == "x-idempotent-replay" && v == "true");
+                let replay = response.headers.contains(&crate::request::replay::marker(&self.cfg));
                 if replay {
                     let expected = format!("of {} {}", s.client_key, s.body);
                     let body = String::from_utf8_lossy(&response.body);
