@@ -28,3 +28,8 @@ mod contexts;
 mod env;
 #[cfg(target_arch = "wasm32")]
 mod envoy;
+
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;

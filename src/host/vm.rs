@@ -83,6 +83,11 @@ impl<H: HostCalls> Vm<H> {
         })
     }
 
+    #[cfg(test)]
+    pub fn host(&self) -> &H {
+        &self.host
+    }
+
     /// Context `id`'s callback runs now.
     pub fn enter(&self, id: u32) {
         self.current.set(id);
