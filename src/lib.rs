@@ -11,9 +11,10 @@
 //!   who answers a store call (record cache, breaker, local fallback, the network).
 //! * `host` (wasm32 only): the proxy-wasm glue, the only code that talks to Envoy.
 //!
-//! Everything but `host` is pure and unit-tested natively. `sim` (tests and the `sim` feature
-//! `fuzz/` turns on, never in the filter) holds the simulated hosts that drive the machine and
-//! the coordinator through random event sequences and check their invariants.
+//! Everything but `host` is pure and unit-tested natively; of `host`, the unit tests build the
+//! part that carries out the coordinator's commands, over a fake host. `sim` (tests and the
+//! `sim` feature `fuzz/` turns on, never in the filter) holds the simulated hosts that drive the
+//! machine and the coordinator through random event sequences and check their invariants.
 
 pub mod config;
 pub mod http;
@@ -21,7 +22,7 @@ pub mod request;
 pub mod store;
 pub mod worker;
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(any(target_arch = "wasm32", test))]
 mod host;
 
 #[cfg(any(test, feature = "sim"))]

@@ -12,10 +12,7 @@
 use proxy_wasm::types::{BufferType, MapType};
 use std::ptr::{null, null_mut};
 
-/// A status other than `Ok` (`proxy_wasm::types::Status` as a number: 1 `NotFound`,
-/// 2 `BadArgument`, ...).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Status(pub u32);
+use super::calls::Status;
 
 type Bytes = Vec<u8>;
 
