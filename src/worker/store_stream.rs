@@ -29,7 +29,7 @@ use crate::config::Config;
 use crate::request::metrics::Metric;
 use crate::store::client::CalloutFault;
 use crate::store::stream::{self as wire, Answered};
-use crate::worker::callouts::{Call, Job};
+use crate::worker::job::{Call, Job};
 use crate::worker::command::Command;
 
 /// The root's tick while calls are in flight: deadlines are swept this often.

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 
 use super::{Answered, Coordinator};
 use crate::request::metrics::Metric;
-use crate::worker::callouts::Call;
+use crate::worker::job::Call;
 use crate::worker::command::Command;
 use crate::worker::env::Env;
 use crate::worker::store_stream::{Ended, StoreStream};
