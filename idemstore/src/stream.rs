@@ -25,7 +25,7 @@ use tonic::codegen::http;
 use tonic::Status;
 
 use crate::backend::{Backend, BackendError, Hold};
-use crate::http::{ceil_millis, give_up_at, running_millis};
+use crate::millis::{ceil_millis, give_up_at, running_millis};
 use crate::metrics::{Op as MetricOp, Outcome as MetricOutcome, Rejection, Timer};
 use crate::store::{Begin, Store};
 

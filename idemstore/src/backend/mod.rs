@@ -41,6 +41,7 @@ pub mod access;
 pub mod memory;
 pub mod pubsub;
 pub mod redis;
+pub mod redis_error;
 pub mod sentinel;
 
 /// What one atomic `begin` attempt found.
