@@ -53,30 +53,32 @@ struct StreamEntry {
     gone: bool,
 }
 
-/// How a callout ended, read from its answer (or its fault).
-enum Answered {
+/// What a finished call concluded for its job: its answer read as its call's, or its fault (a
+/// callout's, or a call's on the store stream). Not [`crate::store::stream::Answered`], the
+/// store stream's undecoded answer, which becomes one of these.
+enum Concluded {
     Begin(Result<BeginAnswer, CalloutFault>),
     Commit(Result<CommitOutcome, CalloutFault>),
     Release(Result<(), CalloutFault>),
     Upstream(Result<UpstreamAnswer, CalloutFault>),
 }
 
-impl Answered {
-    fn fault(call: &Call, f: CalloutFault) -> Answered {
+impl Concluded {
+    fn fault(call: &Call, f: CalloutFault) -> Concluded {
         match call {
             Call::Store(c) => match c.kind() {
-                CallKind::Begin => Answered::Begin(Err(f)),
-                CallKind::Commit => Answered::Commit(Err(f)),
-                CallKind::Release => Answered::Release(Err(f)),
+                CallKind::Begin => Concluded::Begin(Err(f)),
+                CallKind::Commit => Concluded::Commit(Err(f)),
+                CallKind::Release => Concluded::Release(Err(f)),
             },
-            Call::Batch(_) => Answered::Commit(Err(f)),
-            Call::Upstream(_) => Answered::Upstream(Err(f)),
+            Call::Batch(_) => Concluded::Commit(Err(f)),
+            Call::Upstream(_) => Concluded::Upstream(Err(f)),
         }
     }
 
     fn store_fault(&self) -> Option<CalloutFault> {
         match self {
-            Answered::Begin(Err(f)) | Answered::Commit(Err(f)) | Answered::Release(Err(f)) => Some(*f),
+            Concluded::Begin(Err(f)) | Concluded::Commit(Err(f)) | Concluded::Release(Err(f)) => Some(*f),
             _ => None,
         }
     }
@@ -196,7 +198,7 @@ impl Coordinator {
         answer: &dyn StoreAnswer,
         sent_us: Option<u64>,
         now_us: Option<u64>,
-    ) -> Answered {
+    ) -> Concluded {
         match call {
             StoreCall::Begin { key, body_hash, .. } => {
                 let mut begun = answer.begin();
@@ -207,10 +209,10 @@ impl Coordinator {
                     let asked_ms = sent_us.or(now_us).map(|us| us / 1000);
                     record.expires_ms = ttl_ms.zip(asked_ms).map(|(ttl, at)| at.saturating_add(ttl));
                 }
-                Answered::Begin(begun)
+                Concluded::Begin(begun)
             }
-            StoreCall::Commit { .. } => Answered::Commit(answer.commit()),
-            StoreCall::Release { .. } => Answered::Release(answer.release().map(|_| ())),
+            StoreCall::Commit { .. } => Concluded::Commit(answer.commit()),
+            StoreCall::Release { .. } => Concluded::Release(answer.release().map(|_| ())),
         }
     }
 
@@ -315,7 +317,7 @@ impl Coordinator {
             }
         }
         for job in self.callouts.take_queued() {
-            let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
+            let outcome = Concluded::fault(&job.call, CalloutFault::Dispatch);
             self.finish(job, outcome, env);
         }
     }
@@ -328,7 +330,7 @@ impl Coordinator {
             self.batch_answered(job, Err(CalloutFault::Dispatch), env);
             return;
         }
-        let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
+        let outcome = Concluded::fault(&job.call, CalloutFault::Dispatch);
         self.finish(job, outcome, env);
     }
 
@@ -371,7 +373,7 @@ impl Coordinator {
                 return;
             }
             Call::Store(call) => self.store_answered(call, &answer, job.sent_us, now_us),
-            Call::Upstream(_) => Answered::Upstream(
+            Call::Upstream(_) => Concluded::Upstream(
                 UpstreamAnswer::decode(headers, body).map(|a| UpstreamAnswer { trailers, ..a }),
             ),
         };
@@ -403,19 +405,19 @@ impl Coordinator {
         match answer {
             Ok(outcomes) => {
                 for (item, outcome) in items.into_iter().zip(outcomes) {
-                    self.settle(item, Answered::Commit(outcome), env);
+                    self.settle(item, Concluded::Commit(outcome), env);
                 }
             }
             Err(fault) => {
                 for item in items {
-                    self.settle(item, Answered::Commit(Err(fault)), env);
+                    self.settle(item, Concluded::Commit(Err(fault)), env);
                 }
             }
         }
     }
 
     /// Acts on the end of a callout, whether it answered or could not be sent.
-    fn finish(&mut self, job: Job, outcome: Answered, env: &dyn Env) {
+    fn finish(&mut self, job: Job, outcome: Concluded, env: &dyn Env) {
         if matches!(job.call, Call::Store(_)) {
             self.path.observe(outcome.store_fault(), env);
         }
@@ -423,7 +425,7 @@ impl Coordinator {
     }
 
     /// What the end of a callout means for its stream, its lock and the local fallback.
-    fn settle(&mut self, job: Job, outcome: Answered, env: &dyn Env) {
+    fn settle(&mut self, job: Job, outcome: Concluded, env: &dyn Env) {
         if job.hand_back {
             self.hand_back_answered(&job, &outcome, env);
             return;
@@ -448,7 +450,7 @@ impl Coordinator {
         }
         let presence = self.presence(job.stream);
         let stream_alive = match outcome {
-            Answered::Begin(answer) => match (&job.call, answer) {
+            Concluded::Begin(answer) => match (&job.call, answer) {
                 (Call::Store(StoreCall::Begin { key, body_hash, .. }), Err(fault))
                     if presence != Presence::Unknown =>
                 {
@@ -486,14 +488,14 @@ impl Coordinator {
                 }
                 _ => false,
             },
-            Answered::Upstream(answer) => {
+            Concluded::Upstream(answer) => {
                 if let Err(f) = &answer {
                     log::warn!("{}: {f}", job.label());
                 }
                 let now_ms = env.now_ms();
                 self.feed(&job, &mut effects, |m| m.on_upstream_answer(answer, now_ms))
             }
-            Answered::Commit(result) => {
+            Concluded::Commit(result) => {
                 if let (Call::Store(call), Ok(_)) = (&job.call, &result) {
                     self.path.committed(call);
                 }
@@ -511,14 +513,14 @@ impl Coordinator {
                 }
                 false
             }
-            Answered::Release(_) => false,
+            Concluded::Release(_) => false,
         };
         self.apply(job.stream, effects, stream_alive, env);
     }
 
     /// A hand-back commit ended: the record stays local until the store has it.
-    fn hand_back_answered(&mut self, job: &Job, outcome: &Answered, env: &dyn Env) {
-        let ok = matches!(outcome, Answered::Commit(Ok(_)));
+    fn hand_back_answered(&mut self, job: &Job, outcome: &Concluded, env: &dyn Env) {
+        let ok = matches!(outcome, Concluded::Commit(Ok(_)));
         match outcome.store_fault() {
             None if ok => self.commands.push_back(Command::Count(Metric::HandedBack)),
             fault => log::info!("{}: hand-back not taken ({fault:?}), offered again", job.label()),
