@@ -52,7 +52,7 @@ use axum::Router;
 use idem_protocol as proto;
 
 use crate::admin;
-use crate::backend::{Backend, BackendError, Hold};
+use crate::backend::{Backend, BackendError, Commit, Hold};
 use crate::error::{refused, Error};
 use crate::metrics::{self, Op, Outcome, Rejection};
 use crate::millis::{ceil_millis, give_up_at, running_millis};
@@ -415,17 +415,9 @@ async fn begin<B: Backend>(
 }
 
 /// `commit`'s validated headers and record.
-struct CommitArgs<'a> {
-    key: &'a str,
-    token: &'a str,
-    body_hash: &'a str,
-    retention: Duration,
-    record: Bytes,
-}
-
-fn commit_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<CommitArgs<'_>, Error> {
+fn commit_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Commit<'_>, Error> {
     let record = body?;
-    let args = CommitArgs {
+    let args = Commit {
         key: hex64(headers, proto::HEADER_KEY)?,
         token: token(headers)?,
         body_hash: hex64(headers, proto::HEADER_BODY_HASH)?,
@@ -451,7 +443,7 @@ async fn commit<B: Backend>(
         Err(e) => return refused(&store, e),
     };
     let timer = store.metrics().timer(Op::Commit, started);
-    match store.commit(args.key, args.token, args.body_hash, args.record, args.retention).await {
+    match store.commit(args).await {
         Ok(outcome) => {
             timer.answered(Outcome::Commit(outcome));
             answer(outcome.as_str())
@@ -502,7 +494,16 @@ async fn commits<B: Backend>(
         let timer = store.metrics().timer(Op::Commit, started);
         let (store, record) = (&store, body.slice(item.record.clone()));
         async move {
-            match store.commit(item.key, item.token, item.body_hash, record, retention).await {
+            match store
+                .commit(Commit {
+                    key: item.key,
+                    token: item.token,
+                    body_hash: item.body_hash,
+                    record,
+                    retention,
+                })
+                .await
+            {
                 Ok(outcome) => {
                     timer.answered(Outcome::Commit(outcome));
                     Some(outcome)

@@ -28,8 +28,8 @@ use super::pubsub::WakeNodes;
 use super::redis_error::{failed, login_refused};
 use super::sentinel::SentinelConnection;
 use super::{
-    pubsub, record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Hold, Inspection,
-    LockInfo, RecordInfo, ReleaseOutcome, Result, TraceInfo, RECORD_HEAD_BYTES,
+    pubsub, record_status, Attempt, Backend, BackendError, Commit, CommitOutcome, Counts, Deleted, Hold,
+    Inspection, LockInfo, RecordInfo, ReleaseOutcome, Result, TraceInfo, RECORD_HEAD_BYTES,
 };
 use crate::waiters::{RemoteWakeups, Waiters};
 
@@ -587,14 +587,8 @@ where
         parse_attempt(reply)
     }
 
-    async fn commit(
-        &self,
-        key: &str,
-        token: &str,
-        body_hash: &str,
-        record: Bytes,
-        retention: Duration,
-    ) -> Result<CommitOutcome> {
+    async fn commit(&self, commit: Commit<'_>) -> Result<CommitOutcome> {
+        let Commit { key, token, body_hash, record, retention } = commit;
         let mut script = self.scripts.commit.key(self.keys.record(key));
         script
             .key(self.keys.lock(key))
