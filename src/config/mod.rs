@@ -24,17 +24,11 @@ pub mod patterns;
 pub mod routes;
 pub mod values;
 
+pub use parse::{MAX_FINGERPRINT_HEADERS, MAX_HEADER_NAME};
 pub use routes::Routes;
 
 #[cfg(test)]
 mod tests;
-
-/// At most this many `fingerprint_headers` (each costs a digest in every record).
-pub const MAX_FINGERPRINT_HEADERS: usize = 32;
-/// The longest header name a key may give. Every name a record is written with comes from the
-/// configuration or is one of gRPC's own, so this bounds a record's framing too (the replay
-/// listener's cap).
-pub const MAX_HEADER_NAME: usize = 256;
 
 config! {
     numbers {
