@@ -10,12 +10,13 @@ use idem_protocol::CommitOutcome;
 use super::{Concluded, Coordinator};
 use crate::request::detached::UpstreamAnswer;
 use crate::store::client::{Answer, CallKind, CalloutFault};
-use crate::worker::command::Command;
 use crate::worker::env::Env;
 use crate::worker::job::{Call, Job};
 
 impl Coordinator {
     /// The host carried out a [`Command::Dispatch`]: `token` is Envoy's, `None` if it refused.
+    ///
+    /// [`Command::Dispatch`]: crate::worker::command::Command::Dispatch
     pub fn on_dispatched(&mut self, job: u64, token: Option<u32>, env: &dyn Env) {
         self.enter_root();
         let Some(job) = self.callouts.dispatched(job, token, env, &mut self.commands) else { return };
