@@ -332,18 +332,16 @@ fn store_keys(
         None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
         Some(v) => non_empty_string("store_cluster", v)?,
     };
-    let failure_mode = match raw.failure_mode.take() {
-        None => FailureMode::Open,
-        Some(Value::String(s)) if s == "open" => FailureMode::Open,
-        Some(Value::String(s)) if s == "closed" => FailureMode::Closed,
-        Some(_) => return Err(err("failure_mode", "must be \"open\" or \"closed\"")),
-    };
-    let store_transport = match raw.store_transport.take() {
-        None => StoreTransport::Stream,
-        Some(Value::String(s)) if s == "stream" => StoreTransport::Stream,
-        Some(Value::String(s)) if s == "callout" => StoreTransport::Callout,
-        Some(_) => return Err(err("store_transport", "must be \"stream\" or \"callout\"")),
-    };
+    let failure_mode = either(
+        "failure_mode",
+        raw.failure_mode.take(),
+        [("open", FailureMode::Open), ("closed", FailureMode::Closed)],
+    )?;
+    let store_transport = either(
+        "store_transport",
+        raw.store_transport.take(),
+        [("stream", StoreTransport::Stream), ("callout", StoreTransport::Callout)],
+    )?;
     // The stream names the cluster inside a serialized `GrpcService` the host takes as a string.
     if store_transport == StoreTransport::Stream && store_cluster.len() > 120 {
         return Err(err("store_cluster", "is at most 120 bytes with `store_transport: stream`"));
@@ -408,12 +406,11 @@ fn replay_keys(raw: &mut RawConfig) -> Result<ReplayKeys, ConfigError> {
         None | Some(Value::Null) => None,
         Some(v) => Some(store_content_types(v)?),
     };
-    let record_too_large = match raw.record_too_large.take() {
-        None => TooLarge::OmitBody,
-        Some(Value::String(s)) if s == "omit_body" => TooLarge::OmitBody,
-        Some(Value::String(s)) if s == "release" => TooLarge::Release,
-        Some(_) => return Err(err("record_too_large", "must be \"omit_body\" or \"release\"")),
-    };
+    let record_too_large = either(
+        "record_too_large",
+        raw.record_too_large.take(),
+        [("omit_body", TooLarge::OmitBody), ("release", TooLarge::Release)],
+    )?;
     let body_omitted_header = match raw.body_omitted_header.take() {
         None => "x-idempotent-body-omitted".to_string(),
         Some(v) => header_name("body_omitted_header", v)?,
@@ -594,12 +591,11 @@ struct InDoubtKeys {
 }
 
 fn in_doubt_keys(raw: &mut RawConfig, store: &StoreKeys) -> Result<InDoubtKeys, ConfigError> {
-    let unknown_outcome = match raw.unknown_outcome.take() {
-        None => UnknownOutcome::Hold,
-        Some(Value::String(s)) if s == "hold" => UnknownOutcome::Hold,
-        Some(Value::String(s)) if s == "run_again" => UnknownOutcome::RunAgain,
-        Some(_) => return Err(err("unknown_outcome", "must be \"hold\" or \"run_again\"")),
-    };
+    let unknown_outcome = either(
+        "unknown_outcome",
+        raw.unknown_outcome.take(),
+        [("hold", UnknownOutcome::Hold), ("run_again", UnknownOutcome::RunAgain)],
+    )?;
     let outcome_lookup = match raw.outcome_lookup.take() {
         None | Some(Value::Null) => None,
         Some(v) => Some(outcome_lookup(v)?),

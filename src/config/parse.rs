@@ -32,6 +32,21 @@ raw_keys! {
     }
 }
 
+/// A key that is one of two words (`failure_mode`, `store_transport`, `record_too_large`,
+/// `unknown_outcome`): absent, the first.
+pub fn either<T>(
+    key: &str,
+    v: Option<Value>,
+    [(a, first), (b, second)]: [(&str, T); 2],
+) -> Result<T, ConfigError> {
+    match v {
+        None => Ok(first),
+        Some(Value::String(s)) if s == a => Ok(first),
+        Some(Value::String(s)) if s == b => Ok(second),
+        Some(_) => Err(err(key, format!("must be \"{a}\" or \"{b}\""))),
+    }
+}
+
 pub fn non_empty_string(key: &str, v: Value) -> Result<String, ConfigError> {
     match v {
         Value::String(s) if !s.is_empty() => Ok(s),
