@@ -31,10 +31,10 @@ use crate::request::metrics::Metric;
 use crate::request::problem;
 use crate::store::client::{BeginAnswer, CallKind, CalloutFault, StoreAnswer, StoreCall};
 use crate::worker::callouts::{Callback, Callouts};
-use crate::worker::job::{key_prefix, Call, Job};
 use crate::worker::command::Command;
 use crate::worker::env::Env;
 use crate::worker::fallback::LocalAnswer;
+use crate::worker::job::{key_prefix, Call, Job};
 use crate::worker::store_path::{Presence, Routed, StorePath};
 
 /// What a stream callback returns to Envoy, and whether the stream's later callbacks can skip

@@ -6,9 +6,9 @@ use std::collections::VecDeque;
 
 use super::{Concluded, Coordinator};
 use crate::request::metrics::Metric;
-use crate::worker::job::Call;
 use crate::worker::command::Command;
 use crate::worker::env::Env;
+use crate::worker::job::Call;
 use crate::worker::store_stream::{Ended, StoreStream};
 
 impl Coordinator {
