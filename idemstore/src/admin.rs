@@ -35,7 +35,7 @@ use axum::http::{HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{Backend, Inspection, Result};
+use crate::backend::{Backend, Commit, Inspection, Result};
 use crate::error::{refused, Error};
 use crate::store::Store;
 
@@ -242,7 +242,15 @@ pub async fn resolve<B: Backend>(
     };
     let max = Duration::from_secs(idem_protocol::MAX_RETENTION_S);
     let retention = trace.ttl_ms.map_or(max, Duration::from_millis).clamp(Duration::from_secs(1), max);
-    let outcome = backend.commit(store_key, &trace.token, &trace.body_hash, record, retention).await?;
+    let outcome = backend
+        .commit(Commit {
+            key: store_key,
+            token: &trace.token,
+            body_hash: &trace.body_hash,
+            record,
+            retention,
+        })
+        .await?;
     tracing::warn!(
         store_key,
         token = trace.token,

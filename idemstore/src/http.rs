@@ -31,13 +31,14 @@
 //! counts there as the `commit` it stands for.
 //!
 //! Owns the router ([`router`]), the secret check ([`SecretCheck`]) and the protocol's handlers.
-//! Uses [`crate::admin`] (the operator's routes it mounts), [`crate::error`] (the failure
-//! answers), [`crate::store`], [`crate::metrics`], [`crate::secret`] and [`crate::backend`];
-//! nothing uses it but the binary and the tests.
+//! Uses [`crate::admin`] (the operator's routes it mounts), [`crate::stream`] (the store
+//! stream it mounts), [`crate::error`] (the failure answers), [`crate::store`],
+//! [`crate::metrics`], [`crate::secret`], [`crate::backend`] and [`crate::millis`]; nothing
+//! uses it but the binary and the tests.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -51,9 +52,10 @@ use axum::Router;
 use idem_protocol as proto;
 
 use crate::admin;
-use crate::backend::{Backend, BackendError, Hold};
+use crate::backend::{Backend, BackendError, Commit, Hold};
 use crate::error::{refused, Error};
 use crate::metrics::{self, Op, Outcome, Rejection};
+use crate::millis::{ceil_millis, give_up_at, running_millis};
 use crate::secret::Secret;
 use crate::store::{Begin, Store};
 use crate::stream::StreamService;
@@ -260,18 +262,6 @@ fn within(headers: &HeaderMap, name: &str, min: u64, max: u64) -> Result<u64, Er
         .ok_or_else(|| Error::BadRequest(format!("header {name} must be an integer in {min}..={max}")))
 }
 
-/// Whole milliseconds rounded up, at least 1: what `x-idem-lock-remaining-ms` carries, so a
-/// retry timed by it never comes before the lock expires.
-pub(crate) fn ceil_millis(d: Duration) -> u64 {
-    running_millis(d).max(1)
-}
-
-/// Whole milliseconds rounded up, 0 for zero: what `x-idem-running-ms` carries (`0`: the
-/// in-doubt attempt can no longer be running).
-pub(crate) fn running_millis(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
-}
-
 fn answer(outcome: &'static str) -> Response {
     let mut response = StatusCode::OK.into_response();
     response
@@ -343,16 +333,6 @@ fn give_up(headers: &HeaderMap) -> Result<Option<tokio::time::Instant>, Error> {
     }
     let deadline_ms = within(headers, proto::HEADER_DEADLINE_MS, 1, u64::MAX)?;
     Ok(Some(give_up_at(deadline_ms)))
-}
-
-/// A caller's wall-clock deadline (milliseconds since the Unix epoch) on this host's monotonic
-/// clock (see [`give_up`]).
-pub(crate) fn give_up_at(deadline_ms: u64) -> tokio::time::Instant {
-    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
-    let left_ms = u128::from(deadline_ms).saturating_sub(now_ms);
-    let left = Duration::from_millis(u64::try_from(left_ms).unwrap_or(u64::MAX));
-    let now = tokio::time::Instant::now();
-    now.checked_add(left).unwrap_or(now + Duration::from_secs(86_400))
 }
 
 async fn begin<B: Backend>(
@@ -435,17 +415,9 @@ async fn begin<B: Backend>(
 }
 
 /// `commit`'s validated headers and record.
-struct CommitArgs<'a> {
-    key: &'a str,
-    token: &'a str,
-    body_hash: &'a str,
-    retention: Duration,
-    record: Bytes,
-}
-
-fn commit_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<CommitArgs<'_>, Error> {
+fn commit_args(headers: &HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Commit<'_>, Error> {
     let record = body?;
-    let args = CommitArgs {
+    let args = Commit {
         key: hex64(headers, proto::HEADER_KEY)?,
         token: token(headers)?,
         body_hash: hex64(headers, proto::HEADER_BODY_HASH)?,
@@ -471,7 +443,7 @@ async fn commit<B: Backend>(
         Err(e) => return refused(&store, e),
     };
     let timer = store.metrics().timer(Op::Commit, started);
-    match store.commit(args.key, args.token, args.body_hash, args.record, args.retention).await {
+    match store.commit(args).await {
         Ok(outcome) => {
             timer.answered(Outcome::Commit(outcome));
             answer(outcome.as_str())
@@ -522,7 +494,16 @@ async fn commits<B: Backend>(
         let timer = store.metrics().timer(Op::Commit, started);
         let (store, record) = (&store, body.slice(item.record.clone()));
         async move {
-            match store.commit(item.key, item.token, item.body_hash, record, retention).await {
+            match store
+                .commit(Commit {
+                    key: item.key,
+                    token: item.token,
+                    body_hash: item.body_hash,
+                    record,
+                    retention,
+                })
+                .await
+            {
                 Ok(outcome) => {
                     timer.answered(Outcome::Commit(outcome));
                     Some(outcome)
@@ -598,24 +579,5 @@ async fn health<B: Backend>(State(store): State<Arc<Store<B>>>) -> Response {
         Ok(()) => (StatusCode::OK, "ok").into_response(),
         // Logged by the store's health check, as a change.
         Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable").into_response(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn lock_remaining_rounds_up_to_at_least_one_millisecond() {
-        assert_eq!(ceil_millis(Duration::ZERO), 1);
-        assert_eq!(ceil_millis(Duration::from_nanos(1)), 1);
-        assert_eq!(ceil_millis(Duration::from_millis(1)), 1);
-        assert_eq!(ceil_millis(Duration::from_nanos(1_000_001)), 2);
-        assert_eq!(ceil_millis(Duration::from_micros(29_999_001)), 30_000);
-        assert_eq!(ceil_millis(Duration::from_secs(30)), 30_000);
-        assert_eq!(ceil_millis(Duration::MAX), u64::MAX);
-        assert_eq!(running_millis(Duration::ZERO), 0);
-        assert_eq!(running_millis(Duration::from_nanos(1)), 1);
-        assert_eq!(running_millis(Duration::from_millis(250)), 250);
     }
 }

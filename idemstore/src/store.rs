@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::backend::{Attempt, Backend, CommitOutcome, Hold, ReleaseOutcome, Result};
+use crate::backend::{Attempt, Backend, Commit, CommitOutcome, Hold, ReleaseOutcome, Result};
 use crate::metrics::Metrics;
 use crate::waiters::{RemoteWakeups, Waiters};
 
@@ -224,15 +224,9 @@ impl<B: Backend> Store<B> {
         }
     }
 
-    pub async fn commit(
-        &self,
-        key: &str,
-        token: &str,
-        body_hash: &str,
-        record: Bytes,
-        retention: Duration,
-    ) -> Result<CommitOutcome> {
-        let outcome = self.backend.commit(key, token, body_hash, record, retention).await;
+    pub async fn commit(&self, commit: Commit<'_>) -> Result<CommitOutcome> {
+        let key = commit.key;
+        let outcome = self.backend.commit(commit).await;
         // Woken even on error: a waiter re-checking costs one attempt, a missed wake-up
         // costs it the rest of its wait.
         self.waiters.wake(key);

@@ -24,9 +24,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::http;
 use tonic::Status;
 
-use crate::backend::{Backend, BackendError, Hold};
-use crate::http::{ceil_millis, give_up_at, running_millis};
+use crate::backend::{self, Backend, BackendError, Hold};
 use crate::metrics::{Op as MetricOp, Outcome as MetricOutcome, Rejection, Timer};
+use crate::millis::{ceil_millis, give_up_at, running_millis};
 use crate::store::{Begin, Store};
 
 /// Answers waiting to be written to one stream: past this, calls on it wait for the client to
@@ -224,7 +224,15 @@ async fn commit<B: Backend>(
     }
     let timer = store.metrics().timer(MetricOp::Commit, started);
     let retention = Duration::from_secs(c.retention_s);
-    let done = store.commit(&c.key, &c.token, &c.body_hash, Bytes::from(c.record), retention).await;
+    let done = store
+        .commit(backend::Commit {
+            key: &c.key,
+            token: &c.token,
+            body_hash: &c.body_hash,
+            record: Bytes::from(c.record),
+            retention,
+        })
+        .await;
     let outcome = timed(timer, done, |o| MetricOutcome::Commit(*o))?;
     Ok(Outcome::Committed(outcome.as_str().to_string()))
 }

@@ -846,7 +846,7 @@ mod tests {
 
     use super::*;
     use crate::backend::memory::MemoryBackend;
-    use crate::backend::CommitOutcome;
+    use crate::backend::{Commit, CommitOutcome};
     use clap::Parser;
 
     #[derive(Debug, Parser)]
@@ -871,7 +871,15 @@ mod tests {
         let backend = MemoryBackend::new(100);
         let key = proto::store_key("anon:127.0.0.1", "POST", "orders", "k-1");
         let record = Bytes::from_static(b"IDR2\x00\xc9\x00\x00\x00body");
-        let stored = backend.commit(&key, "t", HASH, record, Duration::from_secs(3600)).await;
+        let stored = backend
+            .commit(Commit {
+                key: &key,
+                token: "t",
+                body_hash: HASH,
+                record,
+                retention: Duration::from_secs(3600),
+            })
+            .await;
         assert_eq!(stored, Ok(CommitOutcome::Late));
         (backend, key)
     }
@@ -953,7 +961,16 @@ mod tests {
         // Two keys under one prefix: the operator must give more of it.
         let ninth = if key.as_bytes()[8] == b'0' { '1' } else { '0' };
         let twin = format!("{}{ninth}{}", &key[..8], "f".repeat(55));
-        backend.commit(&twin, "t", HASH, Bytes::from_static(b"x"), Duration::from_secs(60)).await.unwrap();
+        backend
+            .commit(Commit {
+                key: &twin,
+                token: "t",
+                body_hash: HASH,
+                record: Bytes::from_static(b"x"),
+                retention: Duration::from_secs(60),
+            })
+            .await
+            .unwrap();
         let e = on(&backend, &["delete", "--store-key", &key[..8]]).await.unwrap_err();
         assert!(e.contains("matches 2 keys") && e.contains(&twin), "{e}");
         assert_eq!(backend.len(), 2);

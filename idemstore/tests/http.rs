@@ -11,7 +11,7 @@ use common::client::{batch_body, serve, serve_store, serve_with, Client, Version
 use hyper::StatusCode;
 use idem_protocol as proto;
 use idemstore::backend::memory::MemoryBackend;
-use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, Hold, ReleaseOutcome};
+use idemstore::backend::{Attempt, Backend, BackendError, Commit, CommitOutcome, Hold, ReleaseOutcome};
 use idemstore::http::{Options, SecretCheck};
 use idemstore::secret::Secret;
 use idemstore::store::Store;
@@ -591,14 +591,7 @@ impl Backend for Rendezvous {
         Ok(Attempt::Locked)
     }
 
-    async fn commit(
-        &self,
-        _: &str,
-        _: &str,
-        _: &str,
-        _: Bytes,
-        _: Duration,
-    ) -> idemstore::backend::Result<CommitOutcome> {
+    async fn commit(&self, _: Commit<'_>) -> idemstore::backend::Result<CommitOutcome> {
         let all_in = self.all_in.notified();
         if self.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 >= self.n {
             self.all_in.notify_waiters();
@@ -646,7 +639,10 @@ async fn admin_routes(version: Version) {
     let right = bare.with_secret(Some(SECRET));
     let (key, hash) = (common::key(), common::hash('a'));
     let record = common::filter_record(b"{\"id\":1}");
-    assert_eq!(backend.commit(&key, "t", &hash, record.clone(), common::DAY).await, Ok(CommitOutcome::Late));
+    assert_eq!(
+        backend.commit(common::commit(&key, "t", &hash, record.clone())).await,
+        Ok(CommitOutcome::Late)
+    );
     let one = format!("{PATH_RECORDS}/{key}");
     let prefix = format!("{PATH_RECORDS}?prefix={}", &key[..12]);
 
@@ -741,7 +737,7 @@ async fn records_command_over_http() {
     let key = idem_protocol::store_key("anon:127.0.0.1", "POST", "orders", "k-1");
     let record = common::filter_record(b"{}");
     assert_eq!(
-        backend.commit(&key, "t", &common::hash('a'), record, common::DAY).await,
+        backend.commit(common::commit(&key, "t", &common::hash('a'), record)).await,
         Ok(CommitOutcome::Late)
     );
     let dir = std::env::temp_dir().join(format!("idemstore-records-{}", common::key()));

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use idemstore::backend::memory::{MemoryBackend, DEFAULT_MAX_BYTES, DEFAULT_MAX_KEYS, ENTRY_COST};
-use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome};
+use idemstore::backend::{Attempt, Backend, BackendError, Commit, CommitOutcome};
 
 /// Counts the bytes allocated and not yet freed, and their high-water mark.
 struct Counting;
@@ -101,7 +101,10 @@ fn record(len: usize) -> Bytes {
 async fn begin_and_commit(backend: &MemoryBackend, i: usize, record: Bytes) -> Result<(), BackendError> {
     let key = key(i);
     assert_eq!(backend.try_begin(&key, HASH, TOKEN, TTL, None).await?, Attempt::Locked);
-    assert_eq!(backend.commit(&key, TOKEN, HASH, record, DAY).await?, CommitOutcome::Stored);
+    assert_eq!(
+        backend.commit(Commit { key: &key, token: TOKEN, body_hash: HASH, record, retention: DAY }).await?,
+        CommitOutcome::Stored
+    );
     Ok(())
 }
 

@@ -13,7 +13,9 @@ use common::client::{batch_body, serve_store, serve_with, Client, Version};
 use hyper::StatusCode;
 use idem_protocol as proto;
 use idemstore::backend::memory::{MemoryBackend, ENTRY_COST};
-use idemstore::backend::{Attempt, Backend, BackendError, CommitOutcome, Hold, ReleaseOutcome, Result};
+use idemstore::backend::{
+    Attempt, Backend, BackendError, Commit, CommitOutcome, Hold, ReleaseOutcome, Result,
+};
 use idemstore::http::{Options, SecretCheck, PATH_METRICS};
 use idemstore::secret::Secret;
 use idemstore::store::Store;
@@ -302,7 +304,7 @@ impl Backend for Down {
         Err(BackendError::Unavailable("down".into()))
     }
 
-    async fn commit(&self, _: &str, _: &str, _: &str, _: Bytes, _: Duration) -> Result<CommitOutcome> {
+    async fn commit(&self, _: Commit<'_>) -> Result<CommitOutcome> {
         Err(BackendError::Unavailable("down".into()))
     }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use idemstore::backend::pubsub::CHANNEL;
 use idemstore::backend::redis::RedisBackend;
-use idemstore::backend::{Backend, ReleaseOutcome};
+use idemstore::backend::{Backend, Commit, ReleaseOutcome};
 use idemstore::store::{Begin, Store};
 
 /// A private `redis-server`, killed by PID when dropped.
@@ -208,7 +208,7 @@ async fn batch_commits_share_a_redis_round_trip() {
     let hash = common::hash('a');
     // Loads the script (the first call of a fresh server answers NOSCRIPT) and connects.
     let started = Instant::now();
-    store.commit(&common::key(), "warm-up", &hash, Bytes::from_static(b"r"), common::DAY).await.unwrap();
+    store.commit(common::commit(&common::key(), "warm-up", &hash, Bytes::from_static(b"r"))).await.unwrap();
     assert!(started.elapsed() >= delay, "not through the proxy: {:?}", started.elapsed());
 
     let addr = common::client::serve_store(store, idemstore::http::Options::new(1024 * 1024)).await;
@@ -286,13 +286,10 @@ async fn stored_layout_and_expiry() {
         redis::cmd("GET").arg(format!("idem:{{{key}}}:l")).query_async(&mut conn).await.unwrap();
     assert_eq!(lock, token);
     store
-        .commit(
-            &key,
-            &token,
-            &common::hash('a'),
-            bytes::Bytes::from_static(b"\0rec"),
-            Duration::from_secs(60),
-        )
+        .commit(Commit {
+            retention: Duration::from_secs(60),
+            ..common::commit(&key, &token, &common::hash('a'), bytes::Bytes::from_static(b"\0rec"))
+        })
         .await
         .unwrap();
     let record_key = format!("idem:{{{key}}}:r");
@@ -418,7 +415,7 @@ async fn wakeups_missed_while_unsubscribed_are_caught_up() {
     let mut remote = two.remote_wakeups();
     tokio::time::timeout(Duration::from_secs(5), remote.wait_for(|s| !s.listening)).await.unwrap().unwrap();
     let record = Bytes::from_static(b"while deaf");
-    one.commit(&key, &token, &common::hash('a'), record.clone(), common::DAY).await.unwrap();
+    one.commit(common::commit(&key, &token, &common::hash('a'), record.clone())).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!waiter.is_finished(), "woken while nobody could hear the commit");
     let _: () =
@@ -451,13 +448,13 @@ async fn scripts_publish_the_key_on_change_when_waited_on() {
     let (committed, released, late) = (common::key(), common::key(), common::key());
     let (unwatched_commit, unwatched_release) = (common::key(), common::key());
     let token = common::lock(&store, &unwatched_commit).await;
-    store.commit(&unwatched_commit, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+    store.commit(common::commit(&unwatched_commit, &token, &common::hash('a'), Bytes::new())).await.unwrap();
     let token = common::lock(&store, &unwatched_release).await;
     assert_eq!(store.release(&unwatched_release, &token, false).await.unwrap(), ReleaseOutcome::Released);
 
     let token = common::lock(&store, &committed).await;
     wait_on(committed.clone()).await;
-    store.commit(&committed, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+    store.commit(common::commit(&committed, &token, &common::hash('a'), Bytes::new())).await.unwrap();
     let token = common::lock(&store, &released).await;
     wait_on(released.clone()).await;
     assert_eq!(store.release(&released, "not-the-owner", false).await.unwrap(), ReleaseOutcome::NotOwner);
@@ -467,8 +464,8 @@ async fn scripts_publish_the_key_on_change_when_waited_on() {
     // nothing does not.
     let _held = common::lock(&store, &late).await;
     wait_on(late.clone()).await;
-    store.commit(&late, "no-lock", &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
-    store.commit(&late, "no-lock", &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+    store.commit(common::commit(&late, "no-lock", &common::hash('a'), Bytes::new())).await.unwrap();
+    store.commit(common::commit(&late, "no-lock", &common::hash('a'), Bytes::new())).await.unwrap();
     let mut conn = redis.conn().await;
     let _: i64 = redis::cmd("PUBLISH").arg(CHANNEL).arg("end").query_async(&mut conn).await.unwrap();
     let mut heard = Vec::new();
@@ -547,7 +544,10 @@ async fn records_command_on_redis() {
     let store = redis.store();
     let key = idem_protocol::store_key("id:alice", "POST", "orders", "k-1");
     let token = common::lock(&store, &key).await;
-    store.commit(&key, &token, &common::hash('a'), common::filter_record(b"{}"), common::DAY).await.unwrap();
+    store
+        .commit(common::commit(&key, &token, &common::hash('a'), common::filter_record(b"{}")))
+        .await
+        .unwrap();
     let run = |command: &'static str| {
         let url = redis.url.clone();
         async move {

@@ -243,7 +243,7 @@ async fn wakes_cross_instances_on_three_masters() {
         let token = common::lock(&store, &key).await;
         let waited = store.begin(&key, &common::hash('a'), common::TTL, Duration::from_millis(1)).await;
         common::busy_remaining(waited.unwrap());
-        store.commit(&key, &token, &common::hash('a'), Bytes::new(), common::DAY).await.unwrap();
+        store.commit(common::commit(&key, &token, &common::hash('a'), Bytes::new())).await.unwrap();
         for (node, messages) in subscribers.iter_mut().enumerate() {
             let message = tokio::time::timeout(Duration::from_secs(5), messages.next())
                 .await

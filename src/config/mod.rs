@@ -5,9 +5,10 @@
 //! is refused.
 //!
 //! A simple number or boolean key is one row of the table; a structured key is a row of its
-//! `structured` part plus its check in [`parse`] and its line in `structured_to_raw`. Every key
-//! has a row in docs/configuration.md, with the default the table gives (checked by a test).
-//! Uses `http` only.
+//! `structured` part plus its check in [`parse`], read in its group's function (`store_keys`,
+//! `replay_keys`, `mode_keys`, `published_keys`, `in_doubt_keys`, which `Config::validate` calls
+//! in that order), and its line in `structured_to_raw`. Every key has a row in
+//! docs/configuration.md, with the default the table gives (checked by a test). Uses `http` only.
 
 use serde_json::{json, Value};
 
@@ -23,17 +24,11 @@ pub mod patterns;
 pub mod routes;
 pub mod values;
 
+pub use parse::{MAX_FINGERPRINT_HEADERS, MAX_HEADER_NAME};
 pub use routes::Routes;
 
 #[cfg(test)]
 mod tests;
-
-/// At most this many `fingerprint_headers` (each costs a digest in every record).
-pub const MAX_FINGERPRINT_HEADERS: usize = 32;
-/// The longest header name a key may give. Every name a record is written with comes from the
-/// configuration or is one of gRPC's own, so this bounds a record's framing too (the replay
-/// listener's cap).
-pub const MAX_HEADER_NAME: usize = 256;
 
 config! {
     numbers {
@@ -150,243 +145,50 @@ impl Config {
         Self::validate(object(value, "")?, env)
     }
 
-    /// Checks every key of a configuration as written and builds the configuration.
+    /// Checks every key of a configuration as written and builds the configuration: the simple
+    /// keys, then the structured ones a group at a time, each group with the rules among its
+    /// keys and those it shares with the groups before it, then the route policies.
     pub fn validate(mut raw: RawConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         // Each route inherits the rest as written, so the top level is kept before it is checked.
         let routes_written = raw.routes.take().filter(|v| !v.is_null()).map(|v| (v, raw.clone()));
-        // The sending side (mint mode) and the replay listener make no store calls.
-        let no_store = matches!(&raw.mode, Some(Value::String(m)) if m == "mint" || m == "grpc_replay");
-        let store_cluster = match raw.store_cluster.take() {
-            None if no_store => String::new(),
-            None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
-            Some(v) => non_empty_string("store_cluster", v)?,
-        };
         let simple = Simple::check(&mut raw)?;
-        let methods = match raw.methods {
-            None => vec!["POST".to_string(), "PATCH".to_string()],
-            Some(v) => methods(v)?,
-        };
-        let replay_header = match raw.replay_header {
-            None => "x-idempotent-replay".to_string(),
-            Some(v) => header_name("replay_header", v)?,
-        };
-        let replay_headers = match raw.replay_headers {
-            None => vec!["content-type".to_string(), "location".to_string()],
-            Some(v) => replay_headers(v)?,
-        };
-        let subject = match raw.subject {
-            None | Some(Value::Null) => Subject::ClientIp,
-            Some(v) => subject(v)?,
-        };
-        let failure_mode = match raw.failure_mode {
-            None => FailureMode::Open,
-            Some(Value::String(s)) if s == "open" => FailureMode::Open,
-            Some(Value::String(s)) if s == "closed" => FailureMode::Closed,
-            Some(_) => return Err(err("failure_mode", "must be \"open\" or \"closed\"")),
-        };
-        let store_transport = match raw.store_transport {
-            None => StoreTransport::Stream,
-            Some(Value::String(s)) if s == "stream" => StoreTransport::Stream,
-            Some(Value::String(s)) if s == "callout" => StoreTransport::Callout,
-            Some(_) => return Err(err("store_transport", "must be \"stream\" or \"callout\"")),
-        };
-        // The stream names the cluster inside a serialized `GrpcService` the host takes as a string.
-        if store_transport == StoreTransport::Stream && store_cluster.len() > 120 {
-            return Err(err("store_cluster", "is at most 120 bytes with `store_transport: stream`"));
-        }
-        // A detached call that outlived its lock would run unguarded: it is bounded by the TTL.
-        let lock_ttl_ms = simple.lock_ttl_ms;
-        let detached_timeout_ms = keys::number(
-            raw.detached_timeout_ms,
-            "detached_timeout_ms",
-            1..=lock_ttl_ms,
-            15_000.min(lock_ttl_ms),
-        )
-        .map_err(|e| ConfigError { message: format!("{} (at most lock_ttl_ms)", e.message), ..e })?;
-        let store_key_header = match raw.store_key_header {
-            None | Some(Value::Null) => None,
-            Some(v) => {
-                let name = header_name("store_key_header", v)?;
-                if name == "idempotency-key" || headers::is_never_replayed(&name) {
-                    return Err(err("store_key_header", format!("must not be {name:?}")));
-                }
-                Some(name)
-            }
-        };
-        let store_secret = store_secret(raw.store_secret, raw.store_secret_env, env)?;
-        let mode = mode(raw.mode, raw.inbox)?;
-        let fingerprint_headers = match raw.fingerprint_headers {
-            None | Some(Value::Null) => Vec::new(),
-            Some(v) => fingerprint_headers(v)?,
-        };
-        let fingerprint_json = match raw.fingerprint_json {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(fingerprint_json(v)?),
-        };
-        let store_statuses = match raw.store_statuses {
-            None => StatusSet::default(),
-            Some(v) => store_statuses(v)?,
-        };
-        let store_content_types = match raw.store_content_types {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(store_content_types(v)?),
-        };
-        let record_too_large = match raw.record_too_large {
-            None => TooLarge::OmitBody,
-            Some(Value::String(s)) if s == "omit_body" => TooLarge::OmitBody,
-            Some(Value::String(s)) if s == "release" => TooLarge::Release,
-            Some(_) => return Err(err("record_too_large", "must be \"omit_body\" or \"release\"")),
-        };
-        let body_omitted_header = match raw.body_omitted_header {
-            None => "x-idempotent-body-omitted".to_string(),
-            Some(v) => header_name("body_omitted_header", v)?,
-        };
-        let store_grpc_statuses = match raw.store_grpc_statuses {
-            None => GrpcStatuses::default(),
-            Some(v) => store_grpc_statuses(v)?,
-        };
-        let grpc_streaming_methods = match raw.grpc_streaming_methods {
-            None | Some(Value::Null) => Vec::new(),
-            Some(v) => grpc_streaming_methods(v)?,
-        };
-        let policy_url = match raw.policy_url {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(uri("policy_url", v, true)?),
-        };
-        let problem_type_base = match raw.problem_type_base {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(uri("problem_type_base", v, false)?),
-        };
-        let expiry_header = match raw.expiry_header {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(header_name("expiry_header", v)?),
-        };
-        let unknown_outcome = match raw.unknown_outcome {
-            None => UnknownOutcome::Hold,
-            Some(Value::String(s)) if s == "hold" => UnknownOutcome::Hold,
-            Some(Value::String(s)) if s == "run_again" => UnknownOutcome::RunAgain,
-            Some(_) => return Err(err("unknown_outcome", "must be \"hold\" or \"run_again\"")),
-        };
-        let outcome_lookup = match raw.outcome_lookup {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(outcome_lookup(v)?),
-        };
-        if outcome_lookup.is_some() && store_key_header.is_none() {
-            return Err(err(
-                "outcome_lookup",
-                "needs `store_key_header`: the application must have received the store key with \
-                 the first attempt to be asked about it",
-            ));
-        }
-        let mut set_on_replays =
-            vec![("replay_header", &replay_header), ("body_omitted_header", &body_omitted_header)];
-        set_on_replays.extend(expiry_header.as_ref().map(|name| ("expiry_header", name)));
-        for (key, name) in set_on_replays {
-            if headers::is_never_replayed(name) || headers::is_representation(name) {
-                return Err(err(key, format!("must not be {name:?}: the filter sets it on replays")));
-            }
-        }
-        if let Some(name) = &expiry_header {
-            if replay_headers.contains(name) || *name == replay_header || *name == body_omitted_header {
-                return Err(err(
-                    "expiry_header",
-                    "must differ from `replay_header`, `body_omitted_header` and every `replay_headers` entry",
-                ));
-            }
-        }
-        if body_omitted_header == replay_header {
-            return Err(err("body_omitted_header", "must differ from `replay_header`"));
-        }
-        if mode == Mode::Mint {
-            // The sending side only adds keys; the guard where the request arrives does the rest.
-            for (key, set) in [
-                ("require_key", simple.require_key),
-                ("detached_execution", simple.detached_execution),
-                ("store_key_header", store_key_header.is_some()),
-                ("subject", subject != Subject::ClientIp),
-            ] {
-                if set {
-                    return Err(err(
-                        key,
-                        "is not used in mint mode (it adds keys for the guard where the request \
-                         arrives, and makes no store calls)",
-                    ));
-                }
-            }
-        }
-        if let Mode::Inbox(inbox) = &mode {
-            // The message id is the identity: a redelivery may differ in anything else.
-            for (key, set) in [
-                ("fingerprint_headers", !fingerprint_headers.is_empty()),
-                ("fingerprint_json", fingerprint_json.is_some()),
-            ] {
-                if set {
-                    return Err(err(key, "is not used in inbox mode (the message id is the identity)"));
-                }
-            }
-            for (key, set) in [
-                ("store_statuses", store_statuses != StatusSet::default()),
-                ("record_too_large", record_too_large != TooLarge::OmitBody),
-            ] {
-                if set {
-                    return Err(err(
-                        key,
-                        "is not used in inbox mode (any 2xx marks a message handled, as its status \
-                         alone when the answer cannot be kept)",
-                    ));
-                }
-            }
-            // In inbox mode the message scopes the record, not the caller: a broker delivers
-            // from many addresses, and the Idempotency-Key header is not read at all.
-            if simple.require_key {
-                return Err(err("require_key", "has no effect in inbox mode: use `inbox.missing_id`"));
-            }
-            if subject != Subject::ClientIp {
-                return Err(err(
-                    "subject",
-                    "is not used in inbox mode (the message's source and id scope the record)",
-                ));
-            }
-            if store_key_header.is_some() && !simple.pause_on_headers && inbox.message_id.may_need_body() {
-                return Err(err(
-                    "store_key_header",
-                    "cannot be set with `pause_on_headers: false` when the message id may come from \
-                     the body (the request headers have gone on by then)",
-                ));
-            }
-        }
+        let store = store_keys(&mut raw, &simple, env)?;
+        let replay = replay_keys(&mut raw)?;
+        let mode = mode_keys(&mut raw, &simple, &store, &replay)?;
+        let published = published_keys(&mut raw, &replay)?;
+        let in_doubt = in_doubt_keys(&mut raw, &store)?;
         let routes = match routes_written {
-            Some(_) if matches!(mode, Mode::Mint | Mode::GrpcReplay) => {
+            Some(_) if matches!(mode.mode, Mode::Mint | Mode::GrpcReplay) => {
                 return Err(err("routes", "is not used in mint or grpc_replay mode"));
             }
             Some((v, top)) => Routes::parse(v, &top, env)?,
             None => Routes::default(),
         };
         let structured = Structured {
-            store_cluster,
-            methods,
-            replay_header,
-            replay_headers,
-            subject,
-            failure_mode,
-            store_transport,
-            detached_timeout_ms,
-            store_key_header,
-            store_secret,
-            mode,
-            fingerprint_headers,
-            fingerprint_json,
-            store_statuses,
-            store_content_types,
-            record_too_large,
-            body_omitted_header,
-            store_grpc_statuses,
-            grpc_streaming_methods,
-            policy_url,
-            problem_type_base,
-            expiry_header,
-            unknown_outcome,
-            outcome_lookup,
+            store_cluster: store.store_cluster,
+            methods: mode.methods,
+            replay_header: replay.replay_header,
+            replay_headers: replay.replay_headers,
+            subject: mode.subject,
+            failure_mode: store.failure_mode,
+            store_transport: store.store_transport,
+            detached_timeout_ms: store.detached_timeout_ms,
+            store_key_header: store.store_key_header,
+            store_secret: store.store_secret,
+            mode: mode.mode,
+            fingerprint_headers: mode.fingerprint_headers,
+            fingerprint_json: mode.fingerprint_json,
+            store_statuses: replay.store_statuses,
+            store_content_types: replay.store_content_types,
+            record_too_large: replay.record_too_large,
+            body_omitted_header: replay.body_omitted_header,
+            store_grpc_statuses: replay.store_grpc_statuses,
+            grpc_streaming_methods: mode.grpc_streaming_methods,
+            policy_url: published.policy_url,
+            problem_type_base: published.problem_type_base,
+            expiry_header: published.expiry_header,
+            unknown_outcome: in_doubt.unknown_outcome,
+            outcome_lookup: in_doubt.outcome_lookup,
             routes,
         };
         Ok(Config::assemble(simple, structured))
@@ -503,4 +305,307 @@ impl Config {
         // an unguarded `post` that the application runs as `POST` would be a duplicate.
         self.methods.iter().any(|m| m.eq_ignore_ascii_case(method))
     }
+}
+
+/// The store and the calls made under its lock: where it is (`store_cluster`) and how it is
+/// reached (`store_transport`, `store_secret`), what a failing store means (`failure_mode`),
+/// what the upstream gets of it (`store_key_header`) and how long a detached call may take.
+struct StoreKeys {
+    store_cluster: String,
+    failure_mode: FailureMode,
+    store_transport: StoreTransport,
+    detached_timeout_ms: u64,
+    store_key_header: Option<String>,
+    store_secret: Option<StoreSecret>,
+}
+
+/// Reads `raw.mode` as written (not yet taken: [`mode_keys`] comes after).
+fn store_keys(
+    raw: &mut RawConfig,
+    simple: &Simple,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<StoreKeys, ConfigError> {
+    // The sending side (mint mode) and the replay listener make no store calls.
+    let no_store = matches!(&raw.mode, Some(Value::String(m)) if m == "mint" || m == "grpc_replay");
+    let store_cluster = match raw.store_cluster.take() {
+        None if no_store => String::new(),
+        None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
+        Some(v) => non_empty_string("store_cluster", v)?,
+    };
+    let failure_mode = either(
+        "failure_mode",
+        raw.failure_mode.take(),
+        [("open", FailureMode::Open), ("closed", FailureMode::Closed)],
+    )?;
+    let store_transport = either(
+        "store_transport",
+        raw.store_transport.take(),
+        [("stream", StoreTransport::Stream), ("callout", StoreTransport::Callout)],
+    )?;
+    // The stream names the cluster inside a serialized `GrpcService` the host takes as a string.
+    if store_transport == StoreTransport::Stream && store_cluster.len() > 120 {
+        return Err(err("store_cluster", "is at most 120 bytes with `store_transport: stream`"));
+    }
+    // A detached call that outlived its lock would run unguarded: it is bounded by the TTL.
+    let lock_ttl_ms = simple.lock_ttl_ms;
+    let detached_timeout_ms = keys::number(
+        raw.detached_timeout_ms.take(),
+        "detached_timeout_ms",
+        1..=lock_ttl_ms,
+        15_000.min(lock_ttl_ms),
+    )
+    .map_err(|e| ConfigError { message: format!("{} (at most lock_ttl_ms)", e.message), ..e })?;
+    let store_key_header = match raw.store_key_header.take() {
+        None | Some(Value::Null) => None,
+        Some(v) => {
+            let name = header_name("store_key_header", v)?;
+            if name == "idempotency-key" || headers::is_never_replayed(&name) {
+                return Err(err("store_key_header", format!("must not be {name:?}")));
+            }
+            Some(name)
+        }
+    };
+    let store_secret = store_secret(raw.store_secret.take(), raw.store_secret_env.take(), env)?;
+    Ok(StoreKeys {
+        store_cluster,
+        failure_mode,
+        store_transport,
+        detached_timeout_ms,
+        store_key_header,
+        store_secret,
+    })
+}
+
+/// What a record keeps and what its replay says: the replay's headers (`replay_header`,
+/// `replay_headers`, `body_omitted_header`) and which answers are kept, in what form
+/// (`store_statuses`, `store_content_types`, `record_too_large`, `store_grpc_statuses`).
+struct ReplayKeys {
+    replay_header: String,
+    replay_headers: Vec<String>,
+    store_statuses: StatusSet,
+    store_content_types: Option<Vec<MediaPattern>>,
+    record_too_large: TooLarge,
+    body_omitted_header: String,
+    store_grpc_statuses: GrpcStatuses,
+}
+
+fn replay_keys(raw: &mut RawConfig) -> Result<ReplayKeys, ConfigError> {
+    let replay_header = match raw.replay_header.take() {
+        None => "x-idempotent-replay".to_string(),
+        Some(v) => header_name("replay_header", v)?,
+    };
+    let replay_headers = match raw.replay_headers.take() {
+        None => vec!["content-type".to_string(), "location".to_string()],
+        Some(v) => replay_headers(v)?,
+    };
+    let store_statuses = match raw.store_statuses.take() {
+        None => StatusSet::default(),
+        Some(v) => store_statuses(v)?,
+    };
+    let store_content_types = match raw.store_content_types.take() {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(store_content_types(v)?),
+    };
+    let record_too_large = either(
+        "record_too_large",
+        raw.record_too_large.take(),
+        [("omit_body", TooLarge::OmitBody), ("release", TooLarge::Release)],
+    )?;
+    let body_omitted_header = match raw.body_omitted_header.take() {
+        None => "x-idempotent-body-omitted".to_string(),
+        Some(v) => header_name("body_omitted_header", v)?,
+    };
+    let store_grpc_statuses = match raw.store_grpc_statuses.take() {
+        None => GrpcStatuses::default(),
+        Some(v) => store_grpc_statuses(v)?,
+    };
+    for (key, name) in [("replay_header", &replay_header), ("body_omitted_header", &body_omitted_header)] {
+        set_on_replays(key, name)?;
+    }
+    if body_omitted_header == replay_header {
+        return Err(err("body_omitted_header", "must differ from `replay_header`"));
+    }
+    Ok(ReplayKeys {
+        replay_header,
+        replay_headers,
+        store_statuses,
+        store_content_types,
+        record_too_large,
+        body_omitted_header,
+        store_grpc_statuses,
+    })
+}
+
+/// A header the filter sets on replays (`key` names it) must be neither one never replayed nor
+/// one that says how to read the body.
+fn set_on_replays(key: &str, name: &str) -> Result<(), ConfigError> {
+    if headers::is_never_replayed(name) || headers::is_representation(name) {
+        return Err(err(key, format!("must not be {name:?}: the filter sets it on replays")));
+    }
+    Ok(())
+}
+
+/// What is guarded and what identifies a request: the `mode` (with `inbox`), the guarded
+/// `methods` and the gRPC methods passed through (`grpc_streaming_methods`), whose requests a
+/// key is scoped to (`subject`) and what a retry must repeat (`fingerprint_headers`,
+/// `fingerprint_json`).
+struct ModeKeys {
+    mode: Mode,
+    methods: Vec<String>,
+    subject: Subject,
+    fingerprint_headers: Vec<String>,
+    fingerprint_json: Option<JsonPrint>,
+    grpc_streaming_methods: Vec<String>,
+}
+
+/// The mode's rules refuse keys of the groups before it that the mode does not use.
+fn mode_keys(
+    raw: &mut RawConfig,
+    simple: &Simple,
+    store: &StoreKeys,
+    replay: &ReplayKeys,
+) -> Result<ModeKeys, ConfigError> {
+    let methods = match raw.methods.take() {
+        None => vec!["POST".to_string(), "PATCH".to_string()],
+        Some(v) => methods(v)?,
+    };
+    let subject = match raw.subject.take() {
+        None | Some(Value::Null) => Subject::ClientIp,
+        Some(v) => subject(v)?,
+    };
+    let mode = mode(raw.mode.take(), raw.inbox.take())?;
+    let fingerprint_headers = match raw.fingerprint_headers.take() {
+        None | Some(Value::Null) => Vec::new(),
+        Some(v) => fingerprint_headers(v)?,
+    };
+    let fingerprint_json = match raw.fingerprint_json.take() {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(fingerprint_json(v)?),
+    };
+    let grpc_streaming_methods = match raw.grpc_streaming_methods.take() {
+        None | Some(Value::Null) => Vec::new(),
+        Some(v) => grpc_streaming_methods(v)?,
+    };
+    if mode == Mode::Mint {
+        // The sending side only adds keys; the guard where the request arrives does the rest.
+        for (key, set) in [
+            ("require_key", simple.require_key),
+            ("detached_execution", simple.detached_execution),
+            ("store_key_header", store.store_key_header.is_some()),
+            ("subject", subject != Subject::ClientIp),
+        ] {
+            if set {
+                return Err(err(
+                    key,
+                    "is not used in mint mode (it adds keys for the guard where the request \
+                     arrives, and makes no store calls)",
+                ));
+            }
+        }
+    }
+    if let Mode::Inbox(inbox) = &mode {
+        // The message id is the identity: a redelivery may differ in anything else.
+        for (key, set) in [
+            ("fingerprint_headers", !fingerprint_headers.is_empty()),
+            ("fingerprint_json", fingerprint_json.is_some()),
+        ] {
+            if set {
+                return Err(err(key, "is not used in inbox mode (the message id is the identity)"));
+            }
+        }
+        for (key, set) in [
+            ("store_statuses", replay.store_statuses != StatusSet::default()),
+            ("record_too_large", replay.record_too_large != TooLarge::OmitBody),
+        ] {
+            if set {
+                return Err(err(
+                    key,
+                    "is not used in inbox mode (any 2xx marks a message handled, as its status \
+                     alone when the answer cannot be kept)",
+                ));
+            }
+        }
+        // In inbox mode the message scopes the record, not the caller: a broker delivers
+        // from many addresses, and the Idempotency-Key header is not read at all.
+        if simple.require_key {
+            return Err(err("require_key", "has no effect in inbox mode: use `inbox.missing_id`"));
+        }
+        if subject != Subject::ClientIp {
+            return Err(err(
+                "subject",
+                "is not used in inbox mode (the message's source and id scope the record)",
+            ));
+        }
+        if store.store_key_header.is_some() && !simple.pause_on_headers && inbox.message_id.may_need_body() {
+            return Err(err(
+                "store_key_header",
+                "cannot be set with `pause_on_headers: false` when the message id may come from \
+                 the body (the request headers have gone on by then)",
+            ));
+        }
+    }
+    Ok(ModeKeys { mode, methods, subject, fingerprint_headers, fingerprint_json, grpc_streaming_methods })
+}
+
+/// What the filter tells clients beyond the answer: the policy its problems link to
+/// (`policy_url`, `problem_type_base`) and when a record expires (`expiry_header`).
+struct PublishedKeys {
+    policy_url: Option<String>,
+    problem_type_base: Option<String>,
+    expiry_header: Option<String>,
+}
+
+fn published_keys(raw: &mut RawConfig, replay: &ReplayKeys) -> Result<PublishedKeys, ConfigError> {
+    let policy_url = match raw.policy_url.take() {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(uri("policy_url", v, true)?),
+    };
+    let problem_type_base = match raw.problem_type_base.take() {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(uri("problem_type_base", v, false)?),
+    };
+    let expiry_header = match raw.expiry_header.take() {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(header_name("expiry_header", v)?),
+    };
+    if let Some(name) = &expiry_header {
+        set_on_replays("expiry_header", name)?;
+        if replay.replay_headers.contains(name)
+            || *name == replay.replay_header
+            || *name == replay.body_omitted_header
+        {
+            return Err(err(
+                "expiry_header",
+                "must differ from `replay_header`, `body_omitted_header` and every `replay_headers` entry",
+            ));
+        }
+    }
+    Ok(PublishedKeys { policy_url, problem_type_base, expiry_header })
+}
+
+/// What an attempt whose answer was lost leaves (`unknown_outcome`), and where the application
+/// is asked about it (`outcome_lookup`).
+struct InDoubtKeys {
+    unknown_outcome: UnknownOutcome,
+    outcome_lookup: Option<OutcomeLookup>,
+}
+
+fn in_doubt_keys(raw: &mut RawConfig, store: &StoreKeys) -> Result<InDoubtKeys, ConfigError> {
+    let unknown_outcome = either(
+        "unknown_outcome",
+        raw.unknown_outcome.take(),
+        [("hold", UnknownOutcome::Hold), ("run_again", UnknownOutcome::RunAgain)],
+    )?;
+    let outcome_lookup = match raw.outcome_lookup.take() {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(outcome_lookup(v)?),
+    };
+    if outcome_lookup.is_some() && store.store_key_header.is_none() {
+        return Err(err(
+            "outcome_lookup",
+            "needs `store_key_header`: the application must have received the store key with \
+             the first attempt to be asked about it",
+        ));
+    }
+    Ok(InDoubtKeys { unknown_outcome, outcome_lookup })
 }

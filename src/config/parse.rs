@@ -6,8 +6,14 @@ use serde_json::Value;
 use crate::config::keys::{boolean, err, number, object, raw_keys, type_name, ConfigError};
 use crate::config::patterns::{MediaPattern, StatusSet};
 use crate::config::values::*;
-use crate::config::{MAX_FINGERPRINT_HEADERS, MAX_HEADER_NAME};
 use crate::http::{grpc, headers};
+
+/// At most this many `fingerprint_headers` (each costs a digest in every record).
+pub const MAX_FINGERPRINT_HEADERS: usize = 32;
+/// The longest header name a key may give. Every name a record is written with comes from the
+/// configuration or is one of gRPC's own, so this bounds a record's framing too (the replay
+/// listener's cap).
+pub const MAX_HEADER_NAME: usize = 256;
 
 raw_keys! {
     /// `inbox`, in inbox mode.
@@ -23,6 +29,21 @@ raw_keys! {
     RawJsonPrint {
         canonical,
         ignore,
+    }
+}
+
+/// A key that is one of two words (`failure_mode`, `store_transport`, `record_too_large`,
+/// `unknown_outcome`): absent, the first.
+pub fn either<T>(
+    key: &str,
+    v: Option<Value>,
+    [(a, first), (b, second)]: [(&str, T); 2],
+) -> Result<T, ConfigError> {
+    match v {
+        None => Ok(first),
+        Some(Value::String(s)) if s == a => Ok(first),
+        Some(Value::String(s)) if s == b => Ok(second),
+        Some(_) => Err(err(key, format!("must be \"{a}\" or \"{b}\""))),
     }
 }
 

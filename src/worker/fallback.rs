@@ -23,7 +23,7 @@ use crate::request::metrics::Metric;
 use crate::store::client::{BeginAnswer, CalloutFault, LockToken};
 use crate::store::record::Record;
 use crate::worker::env::SharedData;
-use crate::worker::local_store::{Begin, HandBack, LocalStore};
+use crate::worker::local_store::{Begin, HandBack, LocalCommit, LocalStore};
 
 /// The token a hand-back of a record made under a local lock carries (it ends no store lock).
 pub const HAND_BACK_TOKEN: &str = "handback";
@@ -235,7 +235,7 @@ impl Fallback {
         now_ms: Option<u64>,
     ) -> (bool, Vec<(Metric, u64)>) {
         let (Some(owner), Some(now)) = (self.mirrored.remove(token), now_ms) else { return (false, vec![]) };
-        let kept = self.keep_record(data, key, owner, body_hash, record, token, now);
+        let kept = self.keep_record(data, LocalCommit { key, owner, body_hash, record, token }, now);
         (kept, self.dropped())
     }
 
@@ -290,30 +290,20 @@ impl Fallback {
         now_ms: Option<u64>,
     ) -> Vec<(Metric, u64)> {
         let Some(now) = now_ms else { return vec![] };
-        self.keep_record(data, key, owner, body_hash, record, "", now);
+        self.keep_record(data, LocalCommit { key, owner, body_hash, record, token: "" }, now);
         self.dropped()
     }
 
-    /// Keeps a record in place of `owner`'s lock, to hand back under `store_token` (empty: made
-    /// under a local lock); gives the lock up if it cannot be kept.
-    #[allow(clippy::too_many_arguments)]
-    fn keep_record(
-        &mut self,
-        data: &dyn SharedData,
-        key: &str,
-        owner: u64,
-        body_hash: &str,
-        record: &[u8],
-        store_token: &str,
-        now: u64,
-    ) -> bool {
+    /// Keeps a record in place of its owner's lock, to hand back under its token (empty: made
+    /// under a local lock; see [`LocalCommit`]); gives the lock up if it cannot be kept.
+    fn keep_record(&mut self, data: &dyn SharedData, commit: LocalCommit<'_>, now: u64) -> bool {
         let kept = self
-            .fit(record)
-            .is_some_and(|bytes| self.store.commit(data, key, owner, body_hash, &bytes, store_token, now));
+            .fit(commit.record)
+            .is_some_and(|bytes| self.store.commit(data, LocalCommit { record: &bytes, ..commit }, now));
         if kept {
             self.hand_back_due = true;
         } else {
-            self.store.release(data, key, owner, now);
+            self.store.release(data, commit.key, commit.owner, now);
         }
         kept
     }

@@ -59,6 +59,19 @@ pub struct Scan {
     pub pending: usize,
 }
 
+/// A record to keep in place of a lock ([`LocalStore::commit`]): the answer for `key` to a
+/// request whose body hashes to `body_hash`, made under the local lock of `owner`, to hand back
+/// under `token`: the store's lock it was made under (a commit the store did not take), or
+/// empty for a local lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalCommit<'a> {
+    pub key: &'a str,
+    pub owner: u64,
+    pub body_hash: &'a str,
+    pub record: &'a [u8],
+    pub token: &'a str,
+}
+
 /// A record to hand back to the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandBack {
@@ -275,21 +288,11 @@ impl LocalStore {
             .is_some_and(|s| s.slots.iter().any(|s| s.key == *key && s.entry == Entry::Lock { owner }))
     }
 
-    /// Stores `record` for `key` in place of `owner`'s lock (or, the lock lost, unless a record
-    /// exists), to hand back under `token`: the store's lock it was made under (a commit the
-    /// store did not take), or empty for a local lock. `false` when the shared data could not be
-    /// written.
-    #[allow(clippy::too_many_arguments)]
-    pub fn commit(
-        &self,
-        data: &dyn SharedData,
-        key: &str,
-        owner: u64,
-        body_hash: &str,
-        record: &[u8],
-        token: &str,
-        now_ms: u64,
-    ) -> bool {
+    /// Stores the record for its key in place of its owner's lock (or, the lock lost, unless a
+    /// record exists), to hand back under its token (see [`LocalCommit`]). `false` when the
+    /// shared data could not be written.
+    pub fn commit(&self, data: &dyn SharedData, commit: LocalCommit<'_>, now_ms: u64) -> bool {
+        let LocalCommit { key, owner, body_hash, record, token } = commit;
         let (Some(k), Some(h)) = (raw32(key), raw32(body_hash)) else { return false };
         let slot = Slot {
             key: k,
@@ -568,6 +571,11 @@ mod tests {
         decode(&bytes).unwrap().slots.iter().any(|s| s.key == k && matches!(s.entry, Entry::Record { .. }))
     }
 
+    /// The record of a request that ran under the local lock of `owner`.
+    fn kept<'a>(key: &'a str, owner: u64, body_hash: &'a str, record: &'a [u8]) -> LocalCommit<'a> {
+        LocalCommit { key, owner, body_hash, record, token: "" }
+    }
+
     fn store() -> (LocalStore, MemoryData) {
         let s = LocalStore::new(4096 * 4, 4096 * 2000, 1000, 60_000);
         let data = MemoryData::default();
@@ -581,7 +589,7 @@ mod tests {
         let (key, a, b) = (k(1), k(100), k(101));
         assert_eq!(s.begin(&data, &key, &a, 7, 0), Begin::Locked);
         assert_eq!(s.begin(&data, &key, &a, 8, 10), Begin::Held { remaining_ms: 990 });
-        assert!(s.commit(&data, &key, 7, &a, b"rec", "", 20));
+        assert!(s.commit(&data, kept(&key, 7, &a, b"rec"), 20));
         assert_eq!(s.begin(&data, &key, &a, 8, 30), Begin::Replay(b"rec".to_vec()));
         assert_eq!(s.begin(&data, &key, &b, 8, 30), Begin::Mismatch);
         // Expired with the retention.
@@ -601,7 +609,7 @@ mod tests {
         assert_eq!(s.adopt(&data, &key, &a, 9, 40), Begin::Locked);
         // Its commit failed: the record is kept, replayed, and handed back under its token.
         s.sent(&data, &key, 9, &a, 50);
-        assert!(s.commit(&data, &key, 9, &a, b"rec", "tok9", 60));
+        assert!(s.commit(&data, LocalCommit { token: "tok9", ..kept(&key, 9, &a, b"rec") }, 60));
         assert_eq!(s.begin(&data, &key, &a, 8, 70), Begin::Replay(b"rec".to_vec()));
         assert_eq!(s.adopt(&data, &key, &a, 10, 70), Begin::Replay(b"rec".to_vec()));
         let claimed = s.claim_hand_backs(&data, 10, 80).claimed;
@@ -650,7 +658,7 @@ mod tests {
         for n in 0..flood {
             let key = k(n);
             assert_eq!(s.begin(&data, &key, &body, u64::from(n), 0), Begin::Locked);
-            assert!(s.commit(&data, &key, u64::from(n), &body, &[0u8; 40], "", 0));
+            assert!(s.commit(&data, kept(&key, u64::from(n), &body, &[0u8; 40]), 0));
         }
         let dropped = s.take_dropped();
         // Encoded, a slot takes no more than it is accounted for; 8 bytes of header a stripe.
@@ -671,7 +679,7 @@ mod tests {
         let body = k(100);
         for n in 0..5 {
             s.begin(&data, &k(n), &body, 1, 0);
-            s.commit(&data, &k(n), 1, &body, b"r", "", 0);
+            s.commit(&data, kept(&k(n), 1, &body, b"r"), 0);
         }
         let scan = s.claim_hand_backs(&data, 3, 10);
         let first = scan.claimed;

@@ -29,8 +29,8 @@ use crate::config::Config;
 use crate::request::metrics::Metric;
 use crate::store::client::CalloutFault;
 use crate::store::stream::{self as wire, Answered};
-use crate::worker::callouts::{Call, Job};
 use crate::worker::command::Command;
+use crate::worker::job::{Call, Job};
 
 /// The root's tick while calls are in flight: deadlines are swept this often.
 pub const SWEEP_MS: u64 = 50;

@@ -37,8 +37,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::{
-    now_ms, record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Hold, Inspection,
-    LockInfo, RecordInfo, ReleaseOutcome, Result, TraceInfo, Usage,
+    now_ms, record_status, Attempt, Backend, BackendError, Commit, CommitOutcome, Counts, Deleted, Hold,
+    Inspection, LockInfo, RecordInfo, ReleaseOutcome, Result, TraceInfo, Usage,
 };
 
 /// `--memory-max-keys` default.
@@ -380,14 +380,8 @@ impl Backend for MemoryBackend {
         Ok(Attempt::Locked)
     }
 
-    async fn commit(
-        &self,
-        key: &str,
-        token: &str,
-        body_hash: &str,
-        record: Bytes,
-        retention: Duration,
-    ) -> Result<CommitOutcome> {
+    async fn commit(&self, commit: Commit<'_>) -> Result<CommitOutcome> {
+        let Commit { key, token, body_hash, record, retention } = commit;
         let now = Instant::now();
         let mut inner = lock(&self.inner);
         let (exists, owned, recorded) = match inner.live(key, now) {
@@ -553,6 +547,11 @@ mod tests {
         }
     }
 
+    /// A commit of `record` for a body hashed as [`HASH`].
+    fn commit<'a>(key: &'a str, token: &'a str, record: Bytes, retention: Duration) -> Commit<'a> {
+        Commit { key, token, body_hash: HASH, record, retention }
+    }
+
     #[tokio::test]
     async fn key_limit_answers_full_until_space_frees() {
         let backend = MemoryBackend::new(2);
@@ -560,11 +559,11 @@ mod tests {
         assert_eq!(backend.try_begin("k2", HASH, "t2", TTL, None).await, Ok(Attempt::Locked));
         assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Err(BackendError::Full));
         // A late commit for a new key is bounded the same way.
-        let late = backend.commit("k3", "t3", HASH, Bytes::new(), TTL).await;
+        let late = backend.commit(commit("k3", "t3", Bytes::new(), TTL)).await;
         assert_eq!(late, Err(BackendError::Full));
         // Keys already present keep working when full.
         assert!(matches!(backend.try_begin("k1", HASH, "t9", TTL, None).await, Ok(Attempt::Held { .. })));
-        let stored = backend.commit("k1", "t1", HASH, Bytes::new(), TTL).await;
+        let stored = backend.commit(commit("k1", "t1", Bytes::new(), TTL)).await;
         assert_eq!(stored, Ok(CommitOutcome::Stored));
         assert_eq!(backend.release("k2", "t2", false).await, Ok(ReleaseOutcome::Released));
         assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Ok(Attempt::Locked));
@@ -576,7 +575,7 @@ mod tests {
         let backend = MemoryBackend::new(2);
         let short = Duration::from_millis(20);
         backend.try_begin("k1", HASH, "t1", short, None).await.ok();
-        backend.commit("k2", "t2", HASH, Bytes::new(), short).await.ok();
+        backend.commit(commit("k2", "t2", Bytes::new(), short)).await.ok();
         tokio::time::sleep(Duration::from_millis(40)).await;
         assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Ok(Attempt::Locked));
         assert_eq!(backend.len(), 1);
@@ -586,7 +585,7 @@ mod tests {
     async fn locks_and_live_records_are_never_evicted() {
         let backend = MemoryBackend::new(2);
         backend.try_begin("held", HASH, "t1", TTL, None).await.ok();
-        backend.commit("stored", "t2", HASH, Bytes::from_static(b"r"), TTL).await.ok();
+        backend.commit(commit("stored", "t2", Bytes::from_static(b"r"), TTL)).await.ok();
         for i in 0..10 {
             let refused = backend.try_begin(&format!("new{i}"), HASH, "t", TTL, None).await;
             assert_eq!(refused, Err(BackendError::Full));
@@ -594,7 +593,7 @@ mod tests {
         // The lock still excludes duplicates, its owner still commits, the record replays.
         assert!(matches!(backend.try_begin("held", HASH, "t9", TTL, None).await, Ok(Attempt::Held { .. })));
         let r = Bytes::from_static(b"mine");
-        assert_eq!(backend.commit("held", "t1", HASH, r.clone(), TTL).await, Ok(CommitOutcome::Stored));
+        assert_eq!(backend.commit(commit("held", "t1", r.clone(), TTL)).await, Ok(CommitOutcome::Stored));
         assert_eq!(replayed(backend.try_begin("held", HASH, "t9", TTL, None).await), Some(r));
         let stored = backend.try_begin("stored", HASH, "t9", TTL, None).await;
         assert_eq!(replayed(stored), Some(Bytes::from_static(b"r")));
@@ -609,11 +608,11 @@ mod tests {
         // No room for a third key, nor for an 11-byte record.
         assert_eq!(backend.try_begin("k3", HASH, "t3", TTL, None).await, Err(BackendError::Full));
         let big = Bytes::from_static(b"eleven byte");
-        assert_eq!(backend.commit("k1", "t1", HASH, big, TTL).await, Err(BackendError::Full));
+        assert_eq!(backend.commit(commit("k1", "t1", big, TTL)).await, Err(BackendError::Full));
         // The refused commit kept the lock: its owner can release it, or commit what fits.
         assert!(matches!(backend.try_begin("k1", HASH, "t9", TTL, None).await, Ok(Attempt::Held { .. })));
         let ten = Bytes::from_static(b"ten bytes!");
-        assert_eq!(backend.commit("k1", "t1", HASH, ten, TTL).await, Ok(CommitOutcome::Stored));
+        assert_eq!(backend.commit(commit("k1", "t1", ten, TTL)).await, Ok(CommitOutcome::Stored));
         assert_eq!(backend.accounted_bytes(), 2 * ENTRY_COST + 10);
         assert_eq!(backend.release("k2", "t2", false).await, Ok(ReleaseOutcome::Released));
         assert_eq!(backend.accounted_bytes(), ENTRY_COST + 10);
@@ -624,9 +623,9 @@ mod tests {
     async fn accounting_follows_expiry_and_sweeps() {
         let backend = MemoryBackend::new(10);
         let short = Duration::from_millis(20);
-        backend.commit("k1", "t", HASH, Bytes::from_static(b"12345"), short).await.ok();
+        backend.commit(commit("k1", "t", Bytes::from_static(b"12345"), short)).await.ok();
         backend.try_begin("k2", HASH, "t", short, None).await.ok();
-        backend.commit("k3", "t", HASH, Bytes::from_static(b"123"), TTL).await.ok();
+        backend.commit(commit("k3", "t", Bytes::from_static(b"123"), TTL)).await.ok();
         assert_eq!(backend.accounted_bytes(), 3 * ENTRY_COST + 8);
         tokio::time::sleep(Duration::from_millis(40)).await;
         backend.sweep();
@@ -658,8 +657,8 @@ mod tests {
         let sweeper = backend.spawn_sweeper(Duration::from_millis(10));
         let short = Duration::from_millis(30);
         backend.try_begin("k1", HASH, "t1", short, None).await.ok();
-        backend.commit("k2", "t2", HASH, Bytes::from_static(b"r"), short).await.ok();
-        backend.commit("k3", "t3", HASH, Bytes::from_static(b"r"), TTL).await.ok();
+        backend.commit(commit("k2", "t2", Bytes::from_static(b"r"), short)).await.ok();
+        backend.commit(commit("k3", "t3", Bytes::from_static(b"r"), TTL)).await.ok();
         assert_eq!(backend.len(), 3);
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert_eq!(backend.len(), 1);
@@ -672,7 +671,7 @@ mod tests {
     async fn expired_record_is_gone_on_read() {
         let backend = MemoryBackend::new(10);
         let short = Duration::from_millis(20);
-        backend.commit("k", "t", HASH, Bytes::from_static(b"r"), short).await.ok();
+        backend.commit(commit("k", "t", Bytes::from_static(b"r"), short)).await.ok();
         match backend.try_begin("k", HASH, "t2", TTL, None).await {
             Ok(Attempt::Record(bytes, Some(left))) => {
                 assert_eq!(bytes, Bytes::from_static(b"r"));
@@ -702,7 +701,7 @@ mod tests {
         let in_doubt = backend.try_begin("k1", HASH, "t3", TTL, hold).await;
         assert!(matches!(in_doubt, Ok(Attempt::InDoubt { ref token, .. }) if token == "t1"), "{in_doubt:?}");
         // The late commit that resolves it fits where the trace was, and deletes it.
-        let late = backend.commit("k1", "t1", HASH, Bytes::from_static(b"r"), TTL).await;
+        let late = backend.commit(commit("k1", "t1", Bytes::from_static(b"r"), TTL)).await;
         assert_eq!(late, Ok(CommitOutcome::Late));
         assert_eq!((backend.len(), backend.accounted_bytes()), (1, ENTRY_COST + 1));
         // A trace expires like the rest: it lives max(retention, lock TTL), then is swept.

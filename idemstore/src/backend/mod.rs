@@ -2,10 +2,11 @@
 //! caller's business ([`crate::store::Store`]), so every backend gets the same long-poll.
 //!
 //! Owns the [`Backend`] interface and what its operations answer ([`Attempt`],
-//! [`BackendError`], the operator's [`Inspection`], [`Deleted`] and [`Counts`]), what a `begin`
-//! that keeps a trace of its attempt asks for ([`Hold`]), and reads a record's status
-//! ([`record_status`]). The implementations are [`memory`] and [`redis`] (with [`pubsub`], its
-//! wake-ups across instances); they use this interface, which uses none of them. Uses only
+//! [`BackendError`], the operator's [`Inspection`], [`Deleted`] and [`Counts`]), what a `commit`
+//! asks ([`Commit`]) and what a `begin` that keeps a trace of its attempt asks for ([`Hold`]),
+//! and reads a record's status ([`record_status`]). The implementations are [`memory`] and
+//! [`redis`] (with [`pubsub`], its wake-ups across instances, and [`redis_error`], what a Redis
+//! error means); they use this interface, which uses none of them. Uses only
 //! [`crate::waiters`], where a backend forwards other instances' wake-ups.
 //!
 //! # Traces: attempts whose outcome is unknown
@@ -41,6 +42,7 @@ pub mod access;
 pub mod memory;
 pub mod pubsub;
 pub mod redis;
+pub mod redis_error;
 pub mod sentinel;
 
 /// What one atomic `begin` attempt found.
@@ -169,6 +171,17 @@ pub fn health_checked(result: &Result<()>) {
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 
+/// What a `commit` asks ([`Backend::commit`]): store `record` for `key`, an answer to a request
+/// whose body hashes to `body_hash`, made under the lock of `token`, kept for `retention`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Commit<'a> {
+    pub key: &'a str,
+    pub token: &'a str,
+    pub body_hash: &'a str,
+    pub record: Bytes,
+    pub retention: Duration,
+}
+
 /// What a backend that keeps its data in this process holds, for `/metrics`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -293,16 +306,9 @@ pub trait Backend: Send + Sync + 'static {
         hold: Option<Hold<'_>>,
     ) -> impl Future<Output = Result<Attempt>> + Send;
 
-    /// Releases the lock if `token` owns it; stores the record unless one already exists; and
-    /// deletes the key's trace, whatever the outcome.
-    fn commit(
-        &self,
-        key: &str,
-        token: &str,
-        body_hash: &str,
-        record: Bytes,
-        retention: Duration,
-    ) -> impl Future<Output = Result<CommitOutcome>> + Send;
+    /// Releases the lock if `commit.token` owns it; stores the record unless one already
+    /// exists; and deletes the key's trace, whatever the outcome.
+    fn commit(&self, commit: Commit<'_>) -> impl Future<Output = Result<CommitOutcome>> + Send;
 
     /// Compare-and-delete of the lock; unless `in_doubt`, also of the trace (its token must be
     /// `token`). `Released` if either was deleted.

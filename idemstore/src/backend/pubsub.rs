@@ -16,7 +16,8 @@
 //! progress through their bounded re-check ([`crate::store::Store::begin`]); once it is back,
 //! every local waiter tries again, for whatever was published meanwhile.
 //!
-//! Started by [`super::redis`]; uses only [`crate::waiters`].
+//! Started by [`super::redis`]; uses [`super::sentinel`] (the subscription follows the master),
+//! [`super::redis_error`] and [`crate::waiters`].
 
 use std::sync::Weak;
 use std::time::Duration;
@@ -28,6 +29,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::redis_error::failed;
 use super::sentinel::SentinelConnection;
 use super::BackendError;
 use crate::waiters::{RemoteWakeups, Waiters};
@@ -204,7 +206,7 @@ async fn subscribe(node: &Client, channel: &str, timeout: Duration) -> Result<Pu
     };
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(pubsub)) => Ok(pubsub),
-        Ok(Err(e)) => Err(super::redis::failed(e)),
+        Ok(Err(e)) => Err(failed(e)),
         Err(_) => Err(BackendError::Unavailable(format!("no answer within {timeout:?}"))),
     }
 }

@@ -9,7 +9,8 @@
 //! ([`super::pubsub`]), when a waiter has marked the key: most keys are never waited on, and
 //! then cost no message.
 //!
-//! Uses the backend interface ([`crate::backend`]), [`super::pubsub`] and [`crate::waiters`].
+//! Uses the backend interface ([`crate::backend`]), [`super::pubsub`], [`super::sentinel`],
+//! [`super::access`], [`super::redis_error`] (what a Redis error means) and [`crate::waiters`].
 
 use std::sync::Weak;
 use std::time::Duration;
@@ -24,10 +25,11 @@ use tokio::task::JoinHandle;
 
 use super::access::Access;
 use super::pubsub::WakeNodes;
+use super::redis_error::{failed, login_refused};
 use super::sentinel::SentinelConnection;
 use super::{
-    pubsub, record_status, Attempt, Backend, BackendError, CommitOutcome, Counts, Deleted, Hold, Inspection,
-    LockInfo, RecordInfo, ReleaseOutcome, Result, TraceInfo, RECORD_HEAD_BYTES,
+    pubsub, record_status, Attempt, Backend, BackendError, Commit, CommitOutcome, Counts, Deleted, Hold,
+    Inspection, LockInfo, RecordInfo, ReleaseOutcome, Result, TraceInfo, RECORD_HEAD_BYTES,
 };
 use crate::waiters::{RemoteWakeups, Waiters};
 
@@ -355,75 +357,6 @@ fn parse_inspection(reply: Value) -> Result<Inspection> {
     Ok(Inspection { record, lock, trace })
 }
 
-/// A Redis error as the backend's: a refusal the operator must fix (TLS, credentials, an ACL
-/// permission) named as such, anything else an outage.
-pub(crate) fn failed(e: RedisError) -> BackendError {
-    match refusal(&e) {
-        Some(why) => BackendError::Refused(why),
-        None => BackendError::Unavailable(e.to_string()),
-    }
-}
-
-fn refusal(e: &RedisError) -> Option<String> {
-    if e.code() == Some("NOPERM") {
-        return Some(format!(
-            "Redis refused a command to idemstore's ACL user ({e}): grant it the commands, key \
-             pattern and channel docs/security.md lists (with --key-prefix, under that prefix)"
-        ));
-    }
-    if login_refused(e) {
-        return Some(credentials(e));
-    }
-    tls_failure(e).map(|tls| {
-        format!(
-            "TLS with Redis failed: {tls}: check --redis-ca-file (the CA that signed Redis's \
-             certificate), that the URL's host is a name or address the certificate holds, and \
-             --redis-cert-file/--redis-key-file when Redis requires client certificates"
-        )
-    })
-}
-
-/// Whether `e` is Redis (or a sentinel) refusing the user or password.
-pub(crate) fn login_refused(e: &RedisError) -> bool {
-    e.kind() == ::redis::ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
-}
-
-fn credentials(e: &RedisError) -> String {
-    if e.to_string().contains(super::sentinel::SENTINELS_REFUSED) {
-        return format!("Redis Sentinel refused idemstore's credentials ({e})");
-    }
-    format!(
-        "Redis refused idemstore's credentials ({e}): check the user (--redis-username or the \
-         URL's) and its password (--redis-password-file or IDEMSTORE_REDIS_PASSWORD)"
-    )
-}
-
-/// The TLS error under `e`, if a handshake or certificate check is what failed. The
-/// connection manager passes connection errors on as text, so the text is read too.
-fn tls_failure(e: &RedisError) -> Option<String> {
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = cause {
-        if let Some(tls) = err.downcast_ref::<rustls::Error>() {
-            return Some(tls.to_string());
-        }
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if let Some(tls) = io.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
-                return Some(tls.to_string());
-            }
-        }
-        cause = err.source();
-    }
-    let text = e.to_string();
-    const TLS_MARKS: [&str; 5] = [
-        "invalid peer certificate",
-        "received fatal alert",
-        "peer sent no certificates",
-        "peer is incompatible",
-        "InvalidCertificate",
-    ];
-    TLS_MARKS.iter().any(|mark| text.contains(mark)).then_some(text)
-}
-
 fn garbage(what: &str) -> BackendError {
     BackendError::Unavailable(format!("unexpected reply from the {what} script"))
 }
@@ -654,14 +587,8 @@ where
         parse_attempt(reply)
     }
 
-    async fn commit(
-        &self,
-        key: &str,
-        token: &str,
-        body_hash: &str,
-        record: Bytes,
-        retention: Duration,
-    ) -> Result<CommitOutcome> {
+    async fn commit(&self, commit: Commit<'_>) -> Result<CommitOutcome> {
+        let Commit { key, token, body_hash, record, retention } = commit;
         let mut script = self.scripts.commit.key(self.keys.record(key));
         script
             .key(self.keys.lock(key))

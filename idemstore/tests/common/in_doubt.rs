@@ -8,7 +8,7 @@ use bytes::Bytes;
 use idemstore::backend::{now_ms, Attempt, Backend, CommitOutcome, Deleted, Hold, ReleaseOutcome, TraceInfo};
 use idemstore::store::{Begin, Store};
 
-use super::{hash, key, parked, DAY, TTL, WAIT};
+use super::{commit, hash, key, parked, TTL, WAIT};
 
 /// A short lock TTL, for the scenarios that wait it out.
 pub const SHORT: Duration = Duration::from_millis(200);
@@ -148,7 +148,7 @@ pub async fn without_hold_the_trace_is_ignored<B: Backend>(backend: &B) {
     assert_eq!(backend.try_begin(&key, &hash('a'), "t3", TTL, None).await.unwrap(), Attempt::Locked);
     assert_eq!(trace(backend, &key).await.token, "t1", "the trace is neither read nor written");
     let record = Bytes::from_static(b"third");
-    assert_eq!(backend.commit(&key, "t3", &hash('a'), record, DAY).await.unwrap(), CommitOutcome::Stored);
+    assert_eq!(backend.commit(commit(&key, "t3", &hash('a'), record)).await.unwrap(), CommitOutcome::Stored);
     assert_eq!(backend.inspect(&key).await.unwrap().trace, None, "a record supersedes the trace");
 }
 
@@ -173,7 +173,7 @@ pub async fn late_commit_resolves<B: Backend>(backend: &B) {
     let key = key();
     in_doubt_key(backend, &key, SHORT).await;
     let record = Bytes::from_static(b"the first attempt's answer");
-    let late = backend.commit(&key, "t1", &hash('a'), record.clone(), DAY).await.unwrap();
+    let late = backend.commit(commit(&key, "t1", &hash('a'), record.clone())).await.unwrap();
     assert_eq!(late, CommitOutcome::Late);
     let seen = backend.inspect(&key).await.unwrap();
     assert!(seen.trace.is_none() && seen.record.is_some(), "{seen:?}");
@@ -185,10 +185,10 @@ pub async fn late_commit_resolves<B: Backend>(backend: &B) {
     // whoever committed it; the running attempt's own commit then finds it.
     let other = self::key();
     assert_eq!(backend.try_begin(&other, &hash('a'), "t1", TTL, hold()).await.unwrap(), Attempt::Locked);
-    let first = backend.commit(&other, "t9", &hash('a'), Bytes::from_static(b"r"), DAY).await.unwrap();
+    let first = backend.commit(commit(&other, "t9", &hash('a'), Bytes::from_static(b"r"))).await.unwrap();
     assert_eq!(first, CommitOutcome::Late);
     assert_eq!(backend.inspect(&other).await.unwrap().trace, None);
-    let again = backend.commit(&other, "t1", &hash('a'), Bytes::from_static(b"x"), DAY).await.unwrap();
+    let again = backend.commit(commit(&other, "t1", &hash('a'), Bytes::from_static(b"x"))).await.unwrap();
     assert_eq!(again, CommitOutcome::Exists);
     assert!(backend.inspect(&other).await.unwrap().lock.is_none(), "the owner's lock is dropped");
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use idemstore::backend::{Backend, CommitOutcome, ReleaseOutcome};
+use idemstore::backend::{Backend, Commit, CommitOutcome, ReleaseOutcome};
 use idemstore::store::{new_token, Begin, Store};
 
 pub mod client;
@@ -22,6 +22,12 @@ pub fn key() -> String {
 
 pub fn hash(c: char) -> String {
     c.to_string().repeat(64)
+}
+
+/// A commit of `record` kept a [`DAY`], what most scenarios commit (`Commit { retention, ..}`
+/// for another retention).
+pub fn commit<'a>(key: &'a str, token: &'a str, body_hash: &'a str, record: Bytes) -> Commit<'a> {
+    Commit { key, token, body_hash, record, retention: DAY }
 }
 
 /// A replayed record's bytes, whatever its remaining lifetime.
@@ -46,7 +52,7 @@ pub async fn begin_locks_then_replays<B: Backend>(store: &Store<B>) {
     let key = key();
     let token = lock(store, &key).await;
     let record = Bytes::from_static(b"{\"status\":201}");
-    let outcome = store.commit(&key, &token, &hash('a'), record.clone(), DAY).await.unwrap();
+    let outcome = store.commit(commit(&key, &token, &hash('a'), record.clone())).await.unwrap();
     assert_eq!(outcome, CommitOutcome::Stored);
     match store.begin(&key, &hash('a'), TTL, WAIT).await.unwrap() {
         // The record comes with what is left of its retention, for the filter's cache.
@@ -76,7 +82,7 @@ pub async fn waiter_woken_by_commit<B: Backend>(backend: B) {
     assert_eq!(store.waiters().len(), 1);
     let record = Bytes::from_static(b"done");
     let committed = Instant::now();
-    store.commit(&key, &token, &hash('a'), record.clone(), DAY).await.unwrap();
+    store.commit(commit(&key, &token, &hash('a'), record.clone())).await.unwrap();
     let (begun, answered) = waiter.await.unwrap();
     assert_eq!(replayed(begun), Some(record));
     let latency = answered.saturating_duration_since(committed);
@@ -266,7 +272,7 @@ pub async fn batch_commit_over_http<B: Backend>(store: Arc<Store<B>>) {
 pub async fn mismatch<B: Backend>(store: &Store<B>) {
     let key = key();
     let token = lock(store, &key).await;
-    store.commit(&key, &token, &hash('a'), Bytes::from_static(b"x"), DAY).await.unwrap();
+    store.commit(commit(&key, &token, &hash('a'), Bytes::from_static(b"x"))).await.unwrap();
     assert_eq!(store.begin(&key, &hash('b'), TTL, WAIT).await.unwrap(), Begin::Mismatch);
 }
 
@@ -292,9 +298,9 @@ pub async fn late_commit_and_exists<B: Backend>(store: &Store<B>) {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let b = lock(store, &key).await;
     let first = Bytes::from_static(b"first");
-    assert_eq!(store.commit(&key, &a, &hash('a'), first.clone(), DAY).await.unwrap(), CommitOutcome::Late);
+    assert_eq!(store.commit(commit(&key, &a, &hash('a'), first.clone())).await.unwrap(), CommitOutcome::Late);
     assert_eq!(
-        store.commit(&key, &b, &hash('a'), Bytes::from_static(b"second"), DAY).await.unwrap(),
+        store.commit(commit(&key, &b, &hash('a'), Bytes::from_static(b"second"))).await.unwrap(),
         CommitOutcome::Exists
     );
     assert_eq!(store.release(&key, &b, false).await.unwrap(), ReleaseOutcome::NotOwner);
@@ -303,7 +309,7 @@ pub async fn late_commit_and_exists<B: Backend>(store: &Store<B>) {
     // No lock at all: stored as late.
     let other = self::key();
     assert_eq!(
-        store.commit(&other, "no-lock", &hash('a'), Bytes::new(), DAY).await.unwrap(),
+        store.commit(commit(&other, "no-lock", &hash('a'), Bytes::new())).await.unwrap(),
         CommitOutcome::Late
     );
     assert_eq!(replayed(store.begin(&other, &hash('a'), TTL, WAIT).await.unwrap()), Some(Bytes::new()));
@@ -327,7 +333,7 @@ pub async fn record_expires<B: Backend>(store: &Store<B>, retention: Duration) {
     let key = key();
     let token = lock(store, &key).await;
     let record = Bytes::from_static(b"short-lived");
-    store.commit(&key, &token, &hash('a'), record.clone(), retention).await.unwrap();
+    store.commit(Commit { retention, ..commit(&key, &token, &hash('a'), record.clone()) }).await.unwrap();
     assert_eq!(replayed(store.begin(&key, &hash('a'), TTL, WAIT).await.unwrap()), Some(record));
     tokio::time::sleep(retention + Duration::from_millis(100)).await;
     lock(store, &key).await;
@@ -339,7 +345,7 @@ pub async fn binary_record<B: Backend>(store: &Store<B>) {
     let bytes: Vec<u8> = (0..1024 * 1024).map(|i: u32| (i % 251) as u8).collect();
     assert!(bytes.contains(&0));
     let record = Bytes::from(bytes);
-    store.commit(&key, &token, &hash('a'), record.clone(), DAY).await.unwrap();
+    store.commit(commit(&key, &token, &hash('a'), record.clone())).await.unwrap();
     assert_eq!(replayed(store.begin(&key, &hash('a'), TTL, WAIT).await.unwrap()), Some(record));
 }
 
@@ -360,7 +366,7 @@ pub async fn waiter_on_other_instance<B: Backend>(one: Store<B>, two: Store<B>) 
     tokio::time::sleep(Duration::from_millis(500)).await;
     let record = Bytes::from_static(b"elsewhere");
     let committed = Instant::now();
-    one.commit(&key, &token, &hash('a'), record.clone(), DAY).await.unwrap();
+    one.commit(commit(&key, &token, &hash('a'), record.clone())).await.unwrap();
     let (begun, answered) = waiter.await.unwrap();
     assert_eq!(replayed(begun), Some(record));
     let latency = answered.saturating_duration_since(committed);
@@ -456,7 +462,7 @@ pub async fn commit_wakes_other_instance<B: Backend>(one: &Arc<Store<B>>, two: &
     let waiter = parked_begin(two, &key).await;
     let record = Bytes::from(format!("committed elsewhere {key}"));
     let called = Instant::now();
-    one.commit(&key, &token, &hash('a'), record.clone(), DAY).await.unwrap();
+    one.commit(commit(&key, &token, &hash('a'), record.clone())).await.unwrap();
     let replied = Instant::now();
     let (begun, answered) = waiter.await.unwrap();
     assert_eq!(replayed(begun), Some(record));
@@ -562,15 +568,19 @@ pub async fn operator_tools<B: Backend>(backend: &B, extra: u64) {
     let token = new_token();
     assert_eq!(backend.try_begin(&recorded, &hash('a'), &token, TTL, None).await.unwrap(), Attempt::Locked);
     let record = filter_record(b"{\"id\":1}");
-    let stored = backend.commit(&recorded, &token, &hash('a'), record.clone(), DAY).await.unwrap();
+    let stored = backend.commit(commit(&recorded, &token, &hash('a'), record.clone())).await.unwrap();
     assert_eq!(stored, CommitOutcome::Stored);
     assert_eq!(backend.try_begin(&locked, &hash('a'), "t1", TTL, None).await.unwrap(), Attempt::Locked);
     // A lock, and a record committed late by another token: both at once.
     assert_eq!(backend.try_begin(&both, &hash('b'), "t2", TTL, None).await.unwrap(), Attempt::Locked);
-    let late = backend.commit(&both, "t3", &hash('b'), Bytes::from_static(b"not a filter record"), DAY).await;
+    let late =
+        backend.commit(commit(&both, "t3", &hash('b'), Bytes::from_static(b"not a filter record"))).await;
     assert_eq!(late.unwrap(), CommitOutcome::Late);
     for _ in 0..extra {
-        backend.commit(&key(), "t", &hash('c'), Bytes::from_static(b"x"), TTL).await.unwrap();
+        backend
+            .commit(Commit { retention: TTL, ..commit(&key(), "t", &hash('c'), Bytes::from_static(b"x")) })
+            .await
+            .unwrap();
     }
 
     let seen = backend.inspect(&recorded).await.unwrap();

@@ -4,11 +4,11 @@
 
 use std::collections::VecDeque;
 
-use super::{Answered, Coordinator};
+use super::{Concluded, Coordinator};
 use crate::request::metrics::Metric;
-use crate::worker::callouts::Call;
 use crate::worker::command::Command;
 use crate::worker::env::Env;
+use crate::worker::job::Call;
 use crate::worker::store_stream::{Ended, StoreStream};
 
 impl Coordinator {
@@ -64,7 +64,7 @@ impl Coordinator {
             }
             let (job, outcome) = match end {
                 Ended::Failed(job, fault) => {
-                    let outcome = Answered::fault(&job.call, fault);
+                    let outcome = Concluded::fault(&job.call, fault);
                     (job, outcome)
                 }
                 Ended::Answered(job, answer) => {

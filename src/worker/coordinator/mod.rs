@@ -11,6 +11,11 @@
 //! machine like answers do: a callout that could not be dispatched, or a wake-up that could not
 //! be sent, is a [`CalloutFault::Dispatch`], so no request stays paused.
 //!
+//! This file holds the streams' events and the effects turned into commands; beside it, in
+//! `impl Coordinator` blocks of their own, `on_callout.rs` (callouts dispatched and answered),
+//! `on_store_stream.rs` (the store stream's events), and `settle.rs` (what the end of a call,
+//! however it ended, means for its stream, its lock and the store).
+//!
 //! [`callouts`]: crate::worker::callouts
 //! [`store_path`]: crate::worker::store_path
 
@@ -24,11 +29,12 @@ use crate::request::detached::UpstreamAnswer;
 use crate::request::machine::{Action, Effect, Machine, Step, StreamView};
 use crate::request::metrics::Metric;
 use crate::request::problem;
-use crate::store::client::{Answer, BeginAnswer, CallKind, CalloutFault, StoreAnswer, StoreCall};
-use crate::worker::callouts::{key_prefix, Call, Callback, Callouts, Job};
+use crate::store::client::{BeginAnswer, CallKind, CalloutFault, StoreAnswer, StoreCall};
+use crate::worker::callouts::{Callback, Callouts};
 use crate::worker::command::Command;
 use crate::worker::env::Env;
 use crate::worker::fallback::LocalAnswer;
+use crate::worker::job::{key_prefix, Call, Job};
 use crate::worker::store_path::{Presence, Routed, StorePath};
 
 /// What a stream callback returns to Envoy, and whether the stream's later callbacks can skip
@@ -52,30 +58,32 @@ struct StreamEntry {
     gone: bool,
 }
 
-/// How a callout ended, read from its answer (or its fault).
-enum Answered {
+/// What a finished call concluded for its job: its answer read as its call's, or its fault (a
+/// callout's, or a call's on the store stream). Not [`crate::store::stream::Answered`], the
+/// store stream's undecoded answer, which becomes one of these.
+enum Concluded {
     Begin(Result<BeginAnswer, CalloutFault>),
     Commit(Result<CommitOutcome, CalloutFault>),
     Release(Result<(), CalloutFault>),
     Upstream(Result<UpstreamAnswer, CalloutFault>),
 }
 
-impl Answered {
-    fn fault(call: &Call, f: CalloutFault) -> Answered {
+impl Concluded {
+    fn fault(call: &Call, f: CalloutFault) -> Concluded {
         match call {
             Call::Store(c) => match c.kind() {
-                CallKind::Begin => Answered::Begin(Err(f)),
-                CallKind::Commit => Answered::Commit(Err(f)),
-                CallKind::Release => Answered::Release(Err(f)),
+                CallKind::Begin => Concluded::Begin(Err(f)),
+                CallKind::Commit => Concluded::Commit(Err(f)),
+                CallKind::Release => Concluded::Release(Err(f)),
             },
-            Call::Batch(_) => Answered::Commit(Err(f)),
-            Call::Upstream(_) => Answered::Upstream(Err(f)),
+            Call::Batch(_) => Concluded::Commit(Err(f)),
+            Call::Upstream(_) => Concluded::Upstream(Err(f)),
         }
     }
 
     fn store_fault(&self) -> Option<CalloutFault> {
         match self {
-            Answered::Begin(Err(f)) | Answered::Commit(Err(f)) | Answered::Release(Err(f)) => Some(*f),
+            Concluded::Begin(Err(f)) | Concluded::Commit(Err(f)) | Concluded::Release(Err(f)) => Some(*f),
             _ => None,
         }
     }
@@ -195,7 +203,7 @@ impl Coordinator {
         answer: &dyn StoreAnswer,
         sent_us: Option<u64>,
         now_us: Option<u64>,
-    ) -> Answered {
+    ) -> Concluded {
         match call {
             StoreCall::Begin { key, body_hash, .. } => {
                 let mut begun = answer.begin();
@@ -206,10 +214,10 @@ impl Coordinator {
                     let asked_ms = sent_us.or(now_us).map(|us| us / 1000);
                     record.expires_ms = ttl_ms.zip(asked_ms).map(|(ttl, at)| at.saturating_add(ttl));
                 }
-                Answered::Begin(begun)
+                Concluded::Begin(begun)
             }
-            StoreCall::Commit { .. } => Answered::Commit(answer.commit()),
-            StoreCall::Release { .. } => Answered::Release(answer.release().map(|_| ())),
+            StoreCall::Commit { .. } => Concluded::Commit(answer.commit()),
+            StoreCall::Release { .. } => Concluded::Release(answer.release().map(|_| ())),
         }
     }
 
@@ -314,216 +322,8 @@ impl Coordinator {
             }
         }
         for job in self.callouts.take_queued() {
-            let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
+            let outcome = Concluded::fault(&job.call, CalloutFault::Dispatch);
             self.finish(job, outcome, env);
-        }
-    }
-
-    /// The host carried out a [`Command::Dispatch`]: `token` is Envoy's, `None` if it refused.
-    pub fn on_dispatched(&mut self, job: u64, token: Option<u32>, env: &dyn Env) {
-        self.enter_root();
-        let Some(job) = self.callouts.dispatched(job, token, env, &mut self.commands) else { return };
-        if matches!(job.call, Call::Batch(_)) {
-            self.batch_answered(job, Err(CalloutFault::Dispatch), env);
-            return;
-        }
-        let outcome = Answered::fault(&job.call, CalloutFault::Dispatch);
-        self.finish(job, outcome, env);
-    }
-
-    /// A callout answered (with no headers: reset or refused).
-    pub fn on_callout_answer(
-        &mut self,
-        token: u32,
-        headers: Vec<(String, Vec<u8>)>,
-        body: Vec<u8>,
-        env: &dyn Env,
-    ) {
-        self.on_callout_answer_with_trailers(token, headers, body, Vec::new(), env);
-    }
-
-    /// [`Self::on_callout_answer`] with the answer's trailers (a detached gRPC call's).
-    pub fn on_callout_answer_with_trailers(
-        &mut self,
-        token: u32,
-        headers: Vec<(String, Vec<u8>)>,
-        body: Vec<u8>,
-        trailers: Vec<(String, Vec<u8>)>,
-        env: &dyn Env,
-    ) {
-        self.enter_root();
-        let Some(job) = self.callouts.answered(token, env, &mut self.commands) else { return };
-        let now_us = env.now_us();
-        let answer = Answer { headers: &headers, body: &body };
-        let kind = match &job.call {
-            Call::Store(c) => Some(c.kind()),
-            Call::Batch(_) => Some(CallKind::Commit),
-            Call::Upstream(_) => None,
-        };
-        if let Some(kind) = kind {
-            self.latency(kind, job.sent_us, now_us);
-        }
-        let outcome = match &job.call {
-            Call::Batch(items) => {
-                let answer = answer.commits(items.len());
-                self.batch_answered(job, answer, env);
-                return;
-            }
-            Call::Store(call) => self.store_answered(call, &answer, job.sent_us, now_us),
-            Call::Upstream(_) => Answered::Upstream(
-                UpstreamAnswer::decode(headers, body).map(|a| UpstreamAnswer { trailers, ..a }),
-            ),
-        };
-        self.finish(job, outcome, env);
-    }
-
-    /// A `commits` callout ended: each commit in it as if it had been sent alone (a fault of
-    /// the whole call is each one's fault; its retry goes alone). The breaker hears of it once.
-    fn batch_answered(
-        &mut self,
-        job: Job,
-        answer: Result<Vec<Result<CommitOutcome, CalloutFault>>, CalloutFault>,
-        env: &dyn Env,
-    ) {
-        let Call::Batch(items) = job.call else { return };
-        if let Err(CalloutFault::Status(status @ (404 | 405))) = answer {
-            log::warn!(
-                "the store answered {status} to {}: an idemstore without it (older than this \
-                 filter); commits go one by one from now on",
-                idem_protocol::PATH_COMMITS
-            );
-            self.callouts.stop_batching();
-            for item in items {
-                self.submit(item, env);
-            }
-            return;
-        }
-        self.path.observe(answer.as_ref().err().copied(), env);
-        match answer {
-            Ok(outcomes) => {
-                for (item, outcome) in items.into_iter().zip(outcomes) {
-                    self.settle(item, Answered::Commit(outcome), env);
-                }
-            }
-            Err(fault) => {
-                for item in items {
-                    self.settle(item, Answered::Commit(Err(fault)), env);
-                }
-            }
-        }
-    }
-
-    /// Acts on the end of a callout, whether it answered or could not be sent.
-    fn finish(&mut self, job: Job, outcome: Answered, env: &dyn Env) {
-        if matches!(job.call, Call::Store(_)) {
-            self.path.observe(outcome.store_fault(), env);
-        }
-        self.settle(job, outcome, env);
-    }
-
-    /// What the end of a callout means for its stream, its lock and the local fallback.
-    fn settle(&mut self, job: Job, outcome: Answered, env: &dyn Env) {
-        if job.hand_back {
-            self.hand_back_answered(&job, &outcome, env);
-            return;
-        }
-        let mut effects = Vec::new();
-        if let Call::Store(call) = &job.call {
-            match outcome.store_fault() {
-                None => self.path.store_answered(),
-                Some(fault) => {
-                    log::warn!("{} (try {}): {fault}", job.label(), job.attempt + 1);
-                    effects.push(Effect::Count(Metric::StoreErrors));
-                    if let Some(next) = self.path.after_fault(call, job.attempt, env, &mut self.commands) {
-                        let attempt = if next.kind() == call.kind() { job.attempt + 1 } else { 0 };
-                        let retry = Job {
-                            attempt,
-                            ..Job::new(job.stream, job.request_id.clone(), Call::Store(next))
-                        };
-                        self.submit(retry, env);
-                    }
-                }
-            }
-        }
-        let presence = self.presence(job.stream);
-        let stream_alive = match outcome {
-            Answered::Begin(answer) => match (&job.call, answer) {
-                (Call::Store(StoreCall::Begin { key, body_hash, .. }), Err(fault))
-                    if presence != Presence::Unknown =>
-                {
-                    let outcome = self.path.begin_failed(job.stream, key, body_hash, fault, presence, env);
-                    let (more, alive) = self.local_outcome(job.stream, outcome, None);
-                    effects.extend(more);
-                    alive
-                }
-                (Call::Store(StoreCall::Begin { key, body_hash, .. }), Ok(BeginAnswer::Locked { token }))
-                    if presence != Presence::Unknown =>
-                {
-                    let (more, alive) = match self.path.adopt(job.stream, key, body_hash, &token, env) {
-                        None => self.answer_begin(job.stream, Ok(BeginAnswer::Locked { token }), vec![]),
-                        Some((outcome, call)) => {
-                            let hand_back = matches!(call, StoreCall::Commit { .. });
-                            let give_back = Job { hand_back, ..self.job(job.stream, Call::Store(call)) };
-                            self.submit(give_back, env);
-                            self.local_outcome(job.stream, outcome, None)
-                        }
-                    };
-                    effects.extend(more);
-                    alive
-                }
-                (_, answer) if presence != Presence::Unknown => {
-                    self.feed(&job, &mut effects, |m| m.on_begin_answer(answer))
-                }
-                // Entries outlive their pending begin, so this is not expected; never leak a lock.
-                (Call::Store(call), Ok(BeginAnswer::Locked { token })) => {
-                    effects.push(Effect::Store(StoreCall::Release {
-                        key: call.key().to_string(),
-                        token,
-                        in_doubt: false,
-                    }));
-                    false
-                }
-                _ => false,
-            },
-            Answered::Upstream(answer) => {
-                if let Err(f) = &answer {
-                    log::warn!("{}: {f}", job.label());
-                }
-                let now_ms = env.now_ms();
-                self.feed(&job, &mut effects, |m| m.on_upstream_answer(answer, now_ms))
-            }
-            Answered::Commit(result) => {
-                if let (Call::Store(call), Ok(_)) = (&job.call, &result) {
-                    self.path.committed(call);
-                }
-                match result {
-                    Ok(CommitOutcome::Stored | CommitOutcome::Late) => {
-                        effects.push(Effect::Count(Metric::Stored))
-                    }
-                    Ok(CommitOutcome::Exists) => {
-                        log::info!("{}: an earlier record was kept", job.label());
-                        effects.push(Effect::Count(Metric::CommitFailed));
-                    }
-                    // Counted once, when the retry is exhausted and the lock is given back.
-                    Err(_) if job.attempt == 0 => {}
-                    Err(_) => effects.push(Effect::Count(Metric::CommitFailed)),
-                }
-                false
-            }
-            Answered::Release(_) => false,
-        };
-        self.apply(job.stream, effects, stream_alive, env);
-    }
-
-    /// A hand-back commit ended: the record stays local until the store has it.
-    fn hand_back_answered(&mut self, job: &Job, outcome: &Answered, env: &dyn Env) {
-        let ok = matches!(outcome, Answered::Commit(Ok(_)));
-        match outcome.store_fault() {
-            None if ok => self.commands.push_back(Command::Count(Metric::HandedBack)),
-            fault => log::info!("{}: hand-back not taken ({fault:?}), offered again", job.label()),
-        }
-        if let Call::Store(call) = &job.call {
-            self.path.handed_back(call.key(), ok, env);
         }
     }
 
@@ -571,27 +371,6 @@ impl Coordinator {
             self.streams.remove(&stream);
         }
         (effects, !gone)
-    }
-
-    /// Feeds an answer to the stream's machine (if Envoy has not destroyed it yet, the answer is
-    /// for the client too) and forgets a destroyed stream once nothing of it is pending.
-    fn feed(
-        &mut self,
-        job: &Job,
-        effects: &mut Vec<Effect>,
-        event: impl FnOnce(&mut Machine) -> Vec<Effect>,
-    ) -> bool {
-        let Some(entry) = self.streams.get_mut(&job.stream) else {
-            // Entries outlive their pending calls: not expected.
-            log::error!("{}: answer for an unknown stream", job.label());
-            return false;
-        };
-        effects.extend(event(&mut entry.machine));
-        let gone = entry.gone;
-        if gone && entry.machine.is_settled() {
-            self.streams.remove(&job.stream);
-        }
-        !gone
     }
 
     /// Turns a stream's effects into commands; what only a live stream can take is dropped for a
@@ -743,7 +522,9 @@ fn request_id(raw: Option<&[u8]>) -> Rc<str> {
     }
 }
 
+mod on_callout;
 mod on_store_stream;
+mod settle;
 
 #[cfg(test)]
 mod tests;
