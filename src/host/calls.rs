@@ -47,6 +47,29 @@ pub enum MetricKind {
     Histogram,
 }
 
+/// A local response: `body` `None` sends none (not even an empty one).
+pub struct LocalReply<'a> {
+    pub status: u32,
+    pub headers: &'a [(String, String)],
+    pub body: Option<&'a [u8]>,
+}
+
+/// An HTTP callout: to `cluster`, given up after `timeout`.
+pub struct HttpCall<'a> {
+    pub cluster: &'a str,
+    pub headers: Vec<(&'a str, &'a str)>,
+    pub body: Option<&'a [u8]>,
+    pub timeout: Duration,
+}
+
+/// A gRPC stream: to `service` (Envoy's serialized `GrpcService`), `grpc_service`/`method`.
+pub struct GrpcStream<'a> {
+    pub service: &'a str,
+    pub grpc_service: &'a str,
+    pub method: &'a str,
+    pub metadata: Vec<(&'a str, &'a [u8])>,
+}
+
 /// What the filter asks of Envoy, one call each. Calls on "the current stream" go to the
 /// effective context ([`HostCalls::set_effective_context`]).
 pub trait HostCalls {
@@ -55,12 +78,7 @@ pub trait HostCalls {
     fn set_effective_context(&self, context: u32) -> Result<(), Status>;
 
     /// Answers the current stream with a local response.
-    fn send_local_response(
-        &self,
-        status: u32,
-        headers: &[(String, String)],
-        body: Option<&[u8]>,
-    ) -> Result<(), Status>;
+    fn send_local_response(&self, reply: LocalReply<'_>) -> Result<(), Status>;
 
     /// Lets the current stream's paused request go on.
     fn resume_request(&self) -> Result<(), Status>;
@@ -80,24 +98,11 @@ pub trait HostCalls {
     /// Sets the current stream's filter state at `path`.
     fn set_property(&self, path: &[&str], value: &[u8]) -> Result<(), Status>;
 
-    /// Sends an HTTP callout to `cluster` from the effective context: its token.
-    fn dispatch_http_call(
-        &self,
-        cluster: &str,
-        headers: Vec<(&str, &str)>,
-        body: Option<&[u8]>,
-        timeout: Duration,
-    ) -> Result<u32, Status>;
+    /// Sends an HTTP callout from the effective context: its token.
+    fn dispatch_http_call(&self, call: HttpCall<'_>) -> Result<u32, Status>;
 
-    /// Opens a gRPC stream to `service` (Envoy's serialized `GrpcService`) from the effective
-    /// context: its token.
-    fn open_grpc_stream(
-        &self,
-        service: &str,
-        grpc_service: &str,
-        method: &str,
-        metadata: Vec<(&str, &[u8])>,
-    ) -> Result<u32, Status>;
+    /// Opens a gRPC stream from the effective context: its token.
+    fn open_grpc_stream(&self, stream: GrpcStream<'_>) -> Result<u32, Status>;
 
     /// Sends `message` on the open gRPC stream `token` (its context must be the effective one).
     fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status>;

@@ -8,7 +8,7 @@ use std::fmt;
 use std::time::Duration;
 
 use super::abi;
-use super::calls::{HostCalls, Map, MetricKind, Status};
+use super::calls::{GrpcStream, HostCalls, HttpCall, LocalReply, Map, MetricKind, Status};
 use super::env::HostEnv;
 use crate::worker::env::Env;
 
@@ -32,13 +32,8 @@ impl HostCalls for Envoy {
         abi::set_effective_context(context)
     }
 
-    fn send_local_response(
-        &self,
-        status: u32,
-        headers: &[(String, String)],
-        body: Option<&[u8]>,
-    ) -> Result<(), Status> {
-        abi::send_http_response(status, headers, body)
+    fn send_local_response(&self, r: LocalReply<'_>) -> Result<(), Status> {
+        abi::send_http_response(r.status, r.headers, r.body)
     }
 
     fn resume_request(&self) -> Result<(), Status> {
@@ -65,24 +60,12 @@ impl HostCalls for Envoy {
         abi::set_property(path, value)
     }
 
-    fn dispatch_http_call(
-        &self,
-        cluster: &str,
-        headers: Vec<(&str, &str)>,
-        body: Option<&[u8]>,
-        timeout: Duration,
-    ) -> Result<u32, Status> {
-        hostcalls::dispatch_http_call(cluster, headers, body, vec![], timeout).map_err(status)
+    fn dispatch_http_call(&self, c: HttpCall<'_>) -> Result<u32, Status> {
+        hostcalls::dispatch_http_call(c.cluster, c.headers, c.body, vec![], c.timeout).map_err(status)
     }
 
-    fn open_grpc_stream(
-        &self,
-        service: &str,
-        grpc_service: &str,
-        method: &str,
-        metadata: Vec<(&str, &[u8])>,
-    ) -> Result<u32, Status> {
-        hostcalls::open_grpc_stream(service, grpc_service, method, metadata).map_err(status)
+    fn open_grpc_stream(&self, s: GrpcStream<'_>) -> Result<u32, Status> {
+        hostcalls::open_grpc_stream(s.service, s.grpc_service, s.method, s.metadata).map_err(status)
     }
 
     fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status> {

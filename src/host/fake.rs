@@ -5,7 +5,7 @@ use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::time::Duration;
 
-use super::calls::{HostCalls, Map, MetricKind, Status};
+use super::calls::{GrpcStream, HostCalls, HttpCall, LocalReply, Map, MetricKind, Status};
 use crate::sim::worker::tally::SimEnv;
 use crate::worker::env::Env;
 
@@ -138,17 +138,9 @@ impl HostCalls for Fake {
         self.call(HostCall::SetEffectiveContext(context))
     }
 
-    fn send_local_response(
-        &self,
-        status: u32,
-        headers: &[(String, String)],
-        body: Option<&[u8]>,
-    ) -> Result<(), Status> {
-        self.call(HostCall::SendLocalResponse {
-            status,
-            headers: headers.to_vec(),
-            body: body.map(<[u8]>::to_vec),
-        })
+    fn send_local_response(&self, r: LocalReply<'_>) -> Result<(), Status> {
+        let (status, headers, body) = (r.status, r.headers.to_vec(), r.body.map(<[u8]>::to_vec));
+        self.call(HostCall::SendLocalResponse { status, headers, body })
     }
 
     fn resume_request(&self) -> Result<(), Status> {
@@ -178,35 +170,21 @@ impl HostCalls for Fake {
         })
     }
 
-    fn dispatch_http_call(
-        &self,
-        cluster: &str,
-        headers: Vec<(&str, &str)>,
-        body: Option<&[u8]>,
-        timeout: Duration,
-    ) -> Result<u32, Status> {
-        let headers = headers.into_iter().map(|(n, v)| (n.into(), v.into())).collect();
+    fn dispatch_http_call(&self, c: HttpCall<'_>) -> Result<u32, Status> {
         self.call_for_id(HostCall::DispatchHttpCall {
-            cluster: cluster.into(),
-            headers,
-            body: body.map(<[u8]>::to_vec),
-            timeout,
+            cluster: c.cluster.into(),
+            headers: c.headers.into_iter().map(|(n, v)| (n.into(), v.into())).collect(),
+            body: c.body.map(<[u8]>::to_vec),
+            timeout: c.timeout,
         })
     }
 
-    fn open_grpc_stream(
-        &self,
-        service: &str,
-        grpc_service: &str,
-        method: &str,
-        metadata: Vec<(&str, &[u8])>,
-    ) -> Result<u32, Status> {
-        let metadata = metadata.into_iter().map(|(n, v)| (n.into(), v.to_vec())).collect();
+    fn open_grpc_stream(&self, s: GrpcStream<'_>) -> Result<u32, Status> {
         self.call_for_id(HostCall::OpenGrpcStream {
-            service: service.into(),
-            grpc_service: grpc_service.into(),
-            method: method.into(),
-            metadata,
+            service: s.service.into(),
+            grpc_service: s.grpc_service.into(),
+            method: s.method.into(),
+            metadata: s.metadata.into_iter().map(|(n, v)| (n.into(), v.to_vec())).collect(),
         })
     }
 

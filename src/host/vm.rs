@@ -8,7 +8,7 @@ use std::fmt;
 use std::rc::Rc;
 use std::time::Duration;
 
-use super::calls::{HostCalls, Map, MetricKind};
+use super::calls::{GrpcStream, HostCalls, HttpCall, LocalReply, Map, MetricKind};
 use crate::config::Config;
 use crate::http::grpc::{HOP_HEADER, HOP_PATH, RECORD_CONTENT_TYPE};
 use crate::request::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY, STREAM_CALLS};
@@ -175,7 +175,8 @@ impl<H: HostCalls> Vm<H> {
     /// Also from a root callback (a store answer): the answer is for `stream`.
     fn respond(&self, stream: u32, r: &LocalResponse) -> Option<Report> {
         let _ = self.host.set_effective_context(stream);
-        let Err(s) = self.host.send_local_response(r.status, &r.headers, Some(&r.body)) else { return None };
+        let reply = LocalReply { status: r.status, headers: &r.headers, body: Some(&r.body) };
+        let Err(s) = self.host.send_local_response(reply) else { return None };
         self.log(Level::Warn, format_args!("cannot send local response {}: {s:?}", r.status));
         Some(Report::RespondFailed { stream })
     }
@@ -196,7 +197,8 @@ impl<H: HostCalls> Vm<H> {
         }
         let Err(step) = self.hop_steps(record, body_len) else { return };
         self.log(Level::Warn, format_args!("cannot re-route a gRPC replay ({step}): answering it as failed"));
-        if let Err(s) = self.host.send_local_response(fallback.status, &fallback.headers, None) {
+        let reply = LocalReply { status: fallback.status, headers: &fallback.headers, body: None };
+        if let Err(s) = self.host.send_local_response(reply) {
             self.log(Level::Warn, format_args!("cannot send local response: {s:?}"));
         }
     }
@@ -279,7 +281,8 @@ impl<H: HostCalls> Vm<H> {
         let _ = self.host.set_effective_context(self.root_id);
         let headers = d.headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
         let timeout = Duration::from_millis(d.timeout_ms);
-        let token = match self.host.dispatch_http_call(&d.cluster, headers, d.body.as_deref(), timeout) {
+        let call = HttpCall { cluster: &d.cluster, headers, body: d.body.as_deref(), timeout };
+        let token = match self.host.dispatch_http_call(call) {
             Ok(token) => Some(token),
             Err(s) => {
                 self.log(Level::Warn, format_args!("dispatch to {} failed: {s:?}", d.cluster));
@@ -294,7 +297,8 @@ impl<H: HostCalls> Vm<H> {
         // there: the root.
         let _ = self.host.set_effective_context(self.root_id);
         let metadata = metadata.iter().map(|(n, v)| (n.as_str(), v.as_bytes())).collect();
-        let token = match self.host.open_grpc_stream(service, SERVICE, METHOD, metadata) {
+        let stream = GrpcStream { service, grpc_service: SERVICE, method: METHOD, metadata };
+        let token = match self.host.open_grpc_stream(stream) {
             Ok(token) => Some(token),
             Err(s) => {
                 self.log(Level::Warn, format_args!("cannot open the store stream: {s:?}"));
