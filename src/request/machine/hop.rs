@@ -84,9 +84,7 @@ impl Machine {
             );
             return Step::pause(vec![Effect::Respond(not_a_replay())]);
         }
-        let declared = first(view.request_header("content-length"))
-            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
-        if declared.is_some_and(|n| n > self.max_hop_body() as u64) {
+        if declared_length(view).is_some_and(|n| n > self.max_hop_body() as u64) {
             return Step::pause(vec![Effect::Respond(self.hop_too_large())]);
         }
         self.state = State::HopReading { body: Vec::new() };

@@ -64,30 +64,21 @@ impl Machine {
         answer: Result<UpstreamAnswer, CalloutFault>,
         now_ms: Option<u64>,
     ) -> Vec<Effect> {
-        let Looked { key, body_hash, token, running_ms, gone } = looked;
-        if gone {
-            // Nobody to answer or run it for; a committed answer still becomes the record.
-            self.state = State::Done;
-            return match answer {
-                Ok(a) if (200..=299).contains(&a.status) => {
-                    let mut effects = self.committed(key, body_hash, token, a, now_ms);
-                    effects.retain(|e| matches!(e, Effect::Store(_)));
-                    effects.push(Effect::Count(Metric::ResolvedByLookup));
-                    effects
-                }
-                _ => vec![],
-            };
-        }
+        let running_ms = looked.running_ms;
         let answer = match answer {
             Ok(a) => a,
             Err(fault) => {
                 log::info!("outcome_lookup: no answer ({fault}): the key stays in doubt");
-                return self.outcome_unknown(running_ms);
+                return self.unresolved(looked);
             }
         };
         match answer.status {
-            200..=299 => self.committed(key, body_hash, token, answer, now_ms),
+            // A committed answer becomes the record, whether or not the client is still there.
+            200..=299 => self.committed(looked, answer, now_ms),
+            // Nobody to run it for.
+            _ if looked.gone => self.unresolved(looked),
             404 if running_ms == 0 => {
+                let Looked { key, body_hash, token, .. } = looked;
                 self.state = State::Beginning { key: key.clone(), body_hash: body_hash.clone() };
                 let hold =
                     Hold { retention_s: self.cfg.retention_seconds, supersede: Some(token.to_string()) };
@@ -99,21 +90,24 @@ impl Machine {
                 if status != 404 {
                     log::info!("outcome_lookup answered {status}: the key stays in doubt");
                 }
-                self.outcome_unknown(running_ms)
+                self.unresolved(looked)
             }
         }
     }
 
+    /// The key stays in doubt: `409` to a client still there.
+    fn unresolved(&mut self, looked: Looked) -> Vec<Effect> {
+        if looked.gone {
+            self.state = State::Done;
+            return vec![];
+        }
+        self.outcome_unknown(looked.running_ms)
+    }
+
     /// The application says the first attempt committed, with `answer`: replayed to this retry
-    /// and, when a record can hold it, committed as the key's record.
-    fn committed(
-        &mut self,
-        key: String,
-        body_hash: String,
-        token: LockToken,
-        answer: UpstreamAnswer,
-        now_ms: Option<u64>,
-    ) -> Vec<Effect> {
+    /// (unless its client is gone) and, when a record can hold it, committed as the key's record.
+    fn committed(&mut self, looked: Looked, answer: UpstreamAnswer, now_ms: Option<u64>) -> Vec<Effect> {
+        let Looked { key, body_hash, token, gone, .. } = looked;
         let values_of =
             |name: &str| answer.headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect();
         let (head, headers) = self.answer_head(answer.status, Some(answer.body.len() as u64), values_of);
@@ -126,16 +120,18 @@ impl Machine {
             body_omitted,
             print: self.print.clone(),
             trailers: None,
-            expires_ms: now_ms.map(|now| now.saturating_add(self.cfg.retention_seconds.saturating_mul(1000))),
+            expires_ms: self.expires_ms(now_ms),
         };
         let mut effects = Vec::new();
         if keep != Keep::Release {
             effects.push(self.commit(key, token, body_hash, record.encode()));
         }
-        // The replay shows the application's body even when the record cannot keep it.
-        let shown = Record { body: answer.body, body_omitted: false, ..record };
-        let (response, _) = replay::answer(&self.cfg, shown, self.print.as_ref(), &self.accept_encoding);
-        effects.push(Effect::Respond(response));
+        if !gone {
+            // The replay shows the application's body even when the record cannot keep it.
+            let shown = Record { body: answer.body, body_omitted: false, ..record };
+            let (response, _) = replay::answer(&self.cfg, shown, self.print.as_ref(), &self.accept_encoding);
+            effects.push(Effect::Respond(response));
+        }
         effects.push(Effect::Count(Metric::ResolvedByLookup));
         self.state = State::Done;
         effects

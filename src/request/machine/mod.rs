@@ -359,13 +359,25 @@ impl Machine {
     }
 }
 
-/// What Envoy tells of how the attempt went (see [`ending`]).
+/// What Envoy tells of how the attempt went (see [`ending`]). The application's own answer
+/// (`via_upstream`, most answers) needs nothing more: the tries and the connection are read
+/// only for Envoy's replies.
 fn seen(view: &dyn StreamView) -> ending::Seen {
+    let details = view.property(&["response", "code_details"]).and_then(|d| String::from_utf8(d).ok());
+    if details.as_deref() == Some("via_upstream") {
+        return ending::Seen { details, tries: None, connected: false };
+    }
     ending::Seen {
-        details: view.property(&["response", "code_details"]).and_then(|d| String::from_utf8(d).ok()),
+        details,
         tries: view.property(&["upstream", "request_attempt_count"]).and_then(|n| ending::number(&n)),
         connected: view.property(&["upstream", "local_address"]).is_some_and(|a| !a.is_empty()),
     }
+}
+
+/// The request's `content-length`, when it declares one.
+fn declared_length(view: &dyn StreamView) -> Option<u64> {
+    first(view.request_header("content-length"))
+        .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()))
 }
 
 fn first(values: Vec<Vec<u8>>) -> Option<Vec<u8>> {

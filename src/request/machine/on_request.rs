@@ -141,9 +141,7 @@ impl Machine {
     }
 
     pub(super) fn declared_too_large(&self, view: &dyn StreamView) -> bool {
-        let declared = first(view.request_header("content-length"))
-            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.trim().parse::<u64>().ok()));
-        declared.is_some_and(|n| n > self.cfg.max_body_bytes as u64)
+        declared_length(view).is_some_and(|n| n > self.cfg.max_body_bytes as u64)
     }
 
     /// Inbox mode, on request headers: the message id, or the body to read it from.

@@ -491,8 +491,12 @@ impl Machine {
     /// `expiry_header` on a first answer about to be kept: its record lives the route's
     /// retention from `now_ms` (the store counts from the commit, an answer's transfer later).
     fn expiry_from(&self, now_ms: Option<u64>) -> Option<(String, String)> {
-        let retention_ms = self.cfg.retention_seconds.saturating_mul(1000);
-        replay::expiry(&self.cfg, now_ms.map(|now| now.saturating_add(retention_ms)))
+        replay::expiry(&self.cfg, self.expires_ms(now_ms))
+    }
+
+    /// When a record kept now (`now_ms`) expires: its route's retention later.
+    pub(super) fn expires_ms(&self, now_ms: Option<u64>) -> Option<u64> {
+        now_ms.map(|now| now.saturating_add(self.cfg.retention_seconds.saturating_mul(1000)))
     }
 
     /// What [`keep::decide`] needs to know of an answer, and the headers its record would keep,
