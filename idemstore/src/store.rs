@@ -1,5 +1,5 @@
 //! The protocol's store operations as the HTTP layer calls them: [`Store::begin`] (and
-//! [`Store::begin_until`], [`Store::begin_with`]), [`Store::commit`] and [`Store::release`],
+//! [`Store::begin_with`]), [`Store::commit`] and [`Store::release`],
 //! plus [`Store::health`], over one backend, with the `begin` long-poll: a lock held elsewhere
 //! is waited on, woken by [`Waiters`] and re-checked with backoff. A `commits` call is one
 //! [`Store::commit`] per item (the HTTP layer's loop); the operator's lookups, deletes and
@@ -45,7 +45,7 @@ pub enum Begin {
         remaining: Option<Duration>,
     },
     /// The caller had given up on the call before it could be served (see
-    /// [`Store::begin_until`]): nothing was looked up or locked.
+    /// [`Store::begin_with`]): nothing was looked up or locked.
     Expired,
     /// (with a hold) An earlier attempt's outcome is unknown (see [`Attempt::InDoubt`]):
     /// final, like [`Begin::Mismatch`]; no lock was taken.
@@ -141,28 +141,16 @@ impl<B: Backend> Store<B> {
         lock_ttl: Duration,
         wait: Duration,
     ) -> Result<Begin> {
-        self.begin_until(key, body_hash, lock_ttl, wait, None).await
+        self.begin_with(key, body_hash, lock_ttl, wait, None, None).await
     }
 
     /// [`Store::begin`] for a caller that gives up at `give_up`: no attempt is made at or after
     /// it (the answer is [`Begin::Expired`]) and no wait lasts past it, so a call served late (a
     /// store frozen, then thawed, works through what was queued meanwhile) never takes a lock
-    /// nobody waits for.
-    pub async fn begin_until(
-        &self,
-        key: &str,
-        body_hash: &str,
-        lock_ttl: Duration,
-        wait: Duration,
-        give_up: Option<Instant>,
-    ) -> Result<Begin> {
-        self.begin_with(key, body_hash, lock_ttl, wait, give_up, None).await
-    }
-
-    /// [`Store::begin_until`] that, with `hold`, keeps a trace of the attempt it locks for and
-    /// answers [`Begin::InDoubt`] for an earlier attempt's (see [`crate::backend`]). A wait for
-    /// a held lock ends as usual; a release that keeps its trace (`in_doubt`) wakes the waiters,
-    /// and their next attempt finds the key in doubt.
+    /// nobody waits for. With `hold`, it keeps a trace of the attempt it locks for and answers
+    /// [`Begin::InDoubt`] for an earlier attempt's (see [`crate::backend`]). A wait for a held
+    /// lock ends as usual; a release that keeps its trace (`in_doubt`) wakes the waiters, and
+    /// their next attempt finds the key in doubt.
     pub async fn begin_with(
         &self,
         key: &str,

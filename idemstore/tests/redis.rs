@@ -573,16 +573,7 @@ async fn records_command_on_redis() {
 async fn in_doubt_scenarios() {
     let redis = RedisServer::start().await;
     let backend = redis.backend();
-    common::in_doubt::hold_writes_a_trace(&backend).await;
-    common::in_doubt::in_doubt_after_an_in_doubt_release(&backend).await;
-    common::in_doubt::in_doubt_after_the_lock_expires(&backend).await;
-    common::in_doubt::another_body_is_a_mismatch(&backend).await;
-    common::in_doubt::without_hold_the_trace_is_ignored(&backend).await;
-    common::in_doubt::supersede(&backend).await;
-    common::in_doubt::late_commit_resolves(&backend).await;
-    common::in_doubt::release_not_in_doubt_clears_the_trace(&backend).await;
-    common::in_doubt::delete_clears_the_trace(&backend).await;
-    common::in_doubt::counted_and_found(&backend).await;
+    common::in_doubt::every_scenario(&backend).await;
 }
 
 /// An in-doubt release wakes a waiter on another instance: it gets `in-doubt` at once.

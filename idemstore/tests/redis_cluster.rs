@@ -278,15 +278,6 @@ async fn operator_tools_on_three_masters() {
 async fn in_doubt_scenarios_on_three_masters() {
     let cluster = Cluster::start().await;
     let backend = cluster.backend();
-    common::in_doubt::hold_writes_a_trace(&backend).await;
-    common::in_doubt::in_doubt_after_an_in_doubt_release(&backend).await;
-    common::in_doubt::in_doubt_after_the_lock_expires(&backend).await;
-    common::in_doubt::another_body_is_a_mismatch(&backend).await;
-    common::in_doubt::without_hold_the_trace_is_ignored(&backend).await;
-    common::in_doubt::supersede(&backend).await;
-    common::in_doubt::late_commit_resolves(&backend).await;
-    common::in_doubt::release_not_in_doubt_clears_the_trace(&backend).await;
-    common::in_doubt::delete_clears_the_trace(&backend).await;
-    common::in_doubt::counted_and_found(&backend).await;
+    common::in_doubt::every_scenario(&backend).await;
     common::in_doubt::waiter_woken_by_an_in_doubt_release(common::no_recheck(cluster.backend())).await;
 }

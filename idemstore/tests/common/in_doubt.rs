@@ -245,6 +245,21 @@ pub async fn counted_and_found<B: Backend>(backend: &B) {
     backend.delete(&running).await.unwrap();
 }
 
+/// Every scenario above that takes a backend, one after the other on the same one: what a
+/// backend that is expensive to start (a Redis server, a cluster) runs in one test.
+pub async fn every_scenario<B: Backend>(backend: &B) {
+    hold_writes_a_trace(backend).await;
+    in_doubt_after_an_in_doubt_release(backend).await;
+    in_doubt_after_the_lock_expires(backend).await;
+    another_body_is_a_mismatch(backend).await;
+    without_hold_the_trace_is_ignored(backend).await;
+    supersede(backend).await;
+    late_commit_resolves(backend).await;
+    release_not_in_doubt_clears_the_trace(backend).await;
+    delete_clears_the_trace(backend).await;
+    counted_and_found(backend).await;
+}
+
 /// A duplicate waiting on a held lock, woken by the holder's in-doubt release, gets `in-doubt`
 /// at once (the re-checks are 60 s apart: only the wake-up explains it).
 pub async fn waiter_woken_by_an_in_doubt_release<B: Backend>(store: Arc<Store<B>>) {
