@@ -202,25 +202,34 @@ def test_commit_is_off_the_critical_path(replica_set, upstream, note):
 # --------------------------------------------------------------------------------------------
 
 
+BODY = '{"item":"slow"}'
+SLOW = [("x-test-sleep-ms", "2500")]
+
+
+def slow_past_its_lock_ttl(rs, upstream, tag: str):
+    """A (replica 0) sends a request whose upstream takes 2.5 s; returns once A's lock (TTL 1 s)
+    has expired while it still runs: the key, and A's thread and its outcome."""
+    key = new_key(tag)
+    ta, oa = h.in_thread(lambda: rs.post(0, "/orders", BODY, key, headers=SLOW))
+    t_exec = wait_executing(upstream, key)  # A holds the lock since before this
+    sleep_until(t_exec + 1.3)               # past A's lock TTL (1 s)
+    return key, ta, oa
+
+
 def test_expired_lock_keeps_the_key_in_doubt_until_the_late_record(replica_set, upstream):
     """lock_ttl_ms 1000, A's upstream takes 2.5 s, `unknown_outcome: hold` (the default): after
     the TTL a duplicate B on another replica finds A's trace without its lock and gets `409`
     `outcome-unknown` instead of running; A finishes, its `late` commit stores the record and
     resolves the key, and later retries on either replica replay A."""
     rs = replica_set("lock-expiry-hold", envoys=2, stores=2, backend="redis", plugin={"lock_ttl_ms": 1000})
-    key = new_key("expiry-hold")
-    body = '{"item":"slow"}'
-    slow = [("x-test-sleep-ms", "2500")]
-    ta, oa = h.in_thread(lambda: rs.post(0, "/orders", body, key, headers=slow))
-    t_exec = wait_executing(upstream, key)  # A holds the lock since before this
-    sleep_until(t_exec + 1.3)               # past A's lock TTL (1 s)
-    b = rs.post(1, "/orders", body, key, headers=slow)
+    key, ta, oa = slow_past_its_lock_ttl(rs, upstream, "expiry-hold")
+    b = rs.post(1, "/orders", BODY, key, headers=SLOW)
     assert_problem(b, 409, raw_key=key, code="outcome-unknown")
     a = h.joined(ta, oa)
     assert_executed(a, 201)
     assert rs.wait_counter(0, "stored", 1) == 1  # A's commit: late, and the key's record
     for replica in (0, 1):
-        assert_replay_of(rs.post(replica, "/orders", body, key), a)
+        assert_replay_of(rs.post(replica, "/orders", BODY, key), a)
     assert upstream.count(key=key) == 1
 
 
@@ -231,13 +240,8 @@ def test_expired_lock_first_record_wins(replica_set, upstream):
     commit finds it and is not stored; a later retry replays A, not B."""
     rs = replica_set("lock-expiry", envoys=2, stores=2, backend="redis",
                      plugin={"lock_ttl_ms": 1000, "unknown_outcome": "run_again"})
-    key = new_key("expiry")
-    body = '{"item":"slow"}'
-    slow = [("x-test-sleep-ms", "2500")]
-    ta, oa = h.in_thread(lambda: rs.post(0, "/orders", body, key, headers=slow))
-    t_exec = wait_executing(upstream, key)  # A holds the lock since before this
-    sleep_until(t_exec + 1.3)               # past A's lock TTL (1 s)
-    tb, ob = h.in_thread(lambda: rs.post(1, "/orders", body, key, headers=slow))
+    key, ta, oa = slow_past_its_lock_ttl(rs, upstream, "expiry")
+    tb, ob = h.in_thread(lambda: rs.post(1, "/orders", BODY, key, headers=SLOW))
     wait_executing(upstream, key, 2)
     a = h.joined(ta, oa)
     t_a = time.monotonic()
@@ -256,7 +260,7 @@ def test_expired_lock_first_record_wins(replica_set, upstream):
     assert rs.counter(0, "executed") == 1 and rs.counter(1, "executed") == 1
 
     for replica in (0, 1):
-        retry = rs.post(replica, "/orders", body, key)
+        retry = rs.post(replica, "/orders", BODY, key)
         assert_replay_of(retry, a)
     assert upstream.count(key=key) == 2
 
