@@ -110,6 +110,9 @@ config! {
         /// Response header telling when the answer's record expires, on the first answer and
         /// every replay (absent: not sent).
         expiry_header: Option<String>,
+        /// The status of a `key-reused` problem: `422` (the IETF draft's) or `409` (what ACP
+        /// and UCP require).
+        mismatch_status: u32,
         /// What an attempt whose answer was lost leaves: the key in doubt (`hold`) or released.
         unknown_outcome: UnknownOutcome,
         /// Where the application says whether an in-doubt attempt committed (absent: it is not
@@ -187,6 +190,7 @@ impl Config {
             policy_url: published.policy_url,
             problem_type_base: published.problem_type_base,
             expiry_header: published.expiry_header,
+            mismatch_status: published.mismatch_status,
             unknown_outcome: in_doubt.unknown_outcome,
             outcome_lookup: in_doubt.outcome_lookup,
             routes,
@@ -266,6 +270,7 @@ impl Config {
             policy_url: Some(json!(self.policy_url)),
             problem_type_base: Some(json!(self.problem_type_base)),
             expiry_header: Some(json!(self.expiry_header)),
+            mismatch_status: Some(json!(self.mismatch_status)),
             unknown_outcome: Some(json!(match self.unknown_outcome {
                 UnknownOutcome::Hold => "hold",
                 UnknownOutcome::RunAgain => "run_again",
@@ -548,11 +553,13 @@ fn mode_keys(
 }
 
 /// What the filter tells clients beyond the answer: the policy its problems link to
-/// (`policy_url`, `problem_type_base`) and when a record expires (`expiry_header`).
+/// (`policy_url`, `problem_type_base`), when a record expires (`expiry_header`), and the status
+/// of a reused key (`mismatch_status`).
 struct PublishedKeys {
     policy_url: Option<String>,
     problem_type_base: Option<String>,
     expiry_header: Option<String>,
+    mismatch_status: u32,
 }
 
 fn published_keys(raw: &mut RawConfig, replay: &ReplayKeys) -> Result<PublishedKeys, ConfigError> {
@@ -580,7 +587,11 @@ fn published_keys(raw: &mut RawConfig, replay: &ReplayKeys) -> Result<PublishedK
             ));
         }
     }
-    Ok(PublishedKeys { policy_url, problem_type_base, expiry_header })
+    let mismatch_status = match raw.mismatch_status.take() {
+        None | Some(Value::Null) => 422,
+        Some(v) => mismatch_status(v)?,
+    };
+    Ok(PublishedKeys { policy_url, problem_type_base, expiry_header, mismatch_status })
 }
 
 /// What an attempt whose answer was lost leaves (`unknown_outcome`), and where the application

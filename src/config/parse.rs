@@ -47,6 +47,16 @@ pub fn either<T>(
     }
 }
 
+/// `mismatch_status`: `422` or `409`.
+pub fn mismatch_status(v: Value) -> Result<u32, ConfigError> {
+    let got = match v.as_u64() {
+        Some(status @ (409 | 422)) => return Ok(status as u32),
+        Some(n) => n.to_string(),
+        None => type_name(&v).to_string(),
+    };
+    Err(err("mismatch_status", format!("must be 422 or 409, got {got}")))
+}
+
 pub fn non_empty_string(key: &str, v: Value) -> Result<String, ConfigError> {
     match v {
         Value::String(s) if !s.is_empty() => Ok(s),

@@ -158,6 +158,10 @@ fn errors_name_the_key_and_range() {
         (r#"{"store_cluster":"s","replay_headers":["connection"]}"#, "replay_headers"),
         (r#"{"store_cluster":"s","replay_header":"bad header"}"#, "replay_header"),
         (r#"{"store_cluster":"s","failure_mode":"maybe"}"#, "failure_mode"),
+        (r#"{"store_cluster":"s","mismatch_status":400}"#, "mismatch_status"),
+        (r#"{"store_cluster":"s","mismatch_status":"409"}"#, "mismatch_status"),
+        (r#"{"store_cluster":"s","mismatch_status":422.5}"#, "mismatch_status"),
+        (r#"{"store_cluster":"s","routes":{"r":{"mismatch_status":200}}}"#, "mismatch_status"),
         (r#"{"store_cluster":"s","subject":"ip"}"#, "subject"),
         (r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f"}}}"#, "subject.metadata.path"),
         (r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f","path":[]}}}"#, "subject.metadata.path"),
@@ -388,10 +392,14 @@ fn from_json_reads_the_process_environment() {
     assert_eq!(c.store_secret.unwrap().as_str(), SECRET);
 }
 
-/// The rows of docs/configuration.md's key tables: key, default, allowed values.
+/// The rows of docs/configuration.md's key tables (its section "Keys"): key, default, allowed
+/// values.
 fn documented_keys() -> Vec<(String, String, String)> {
     include_str!("../../docs/configuration.md")
         .lines()
+        .skip_while(|line| *line != "## Keys")
+        .skip(1)
+        .take_while(|line| !line.starts_with("## "))
         .filter_map(|line| {
             let cells: Vec<&str> = line.strip_prefix('|')?.split(" | ").map(str::trim).collect();
             let key = cells.first()?.strip_prefix('`')?.strip_suffix('`')?;

@@ -10,7 +10,7 @@ use super::vm::{Report, Vm};
 use crate::config::Config;
 use crate::http::grpc::{HOP_HEADER, HOP_PATH, RECORD_CONTENT_TYPE};
 use crate::request::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY, STREAM_CALLS};
-use crate::request::problem::LocalResponse;
+use crate::request::problem::{LocalResponse, INSTANCE_PROPERTY};
 use crate::sim::request::MockView;
 use crate::store::client::CallKind;
 use crate::store::record::Record;
@@ -81,7 +81,14 @@ fn every_command() -> Vec<Command> {
     vec![
         Command::Respond { stream: 7, response: response(409) },
         Command::Resume { stream: 7 },
-        Command::Hop { stream: 7, record: b"rec".to_vec(), body_len: 5, fallback: response(503) },
+        Command::Hop {
+            stream: 7,
+            record: b"rec".to_vec(),
+            body_len: 5,
+            fallback: response(503),
+            instance: "urn:uuid:i".into(),
+        },
+        Command::Instance { stream: 7, instance: "urn:uuid:i".into() },
         Command::RemoveResponseHeader { stream: 7, name: "x-a".into() },
         Command::SetResponseHeader { stream: 7, name: "x-a".into(), value: "1".into() },
         Command::AddResponseTrailers { stream: 7, trailers: vec![("grpc-status".into(), "0".into())] },
@@ -122,6 +129,7 @@ fn every_command_is_listed() {
             Command::AddResponseTrailers { .. } => "AddResponseTrailers",
             Command::SetRequestHeader { .. } => "SetRequestHeader",
             Command::RemoveRequestHeader { .. } => "RemoveRequestHeader",
+            Command::Instance { .. } => "Instance",
             Command::Outcome { .. } => "Outcome",
             Command::Count(_) => "Count",
             Command::Add { .. } => "Add",
@@ -248,7 +256,13 @@ fn hop_steps() -> Vec<HostCall> {
 }
 
 fn hop() -> Command {
-    Command::Hop { stream: 7, record: b"rec".to_vec(), body_len: 5, fallback: response(503) }
+    Command::Hop {
+        stream: 7,
+        record: b"rec".to_vec(),
+        body_len: 5,
+        fallback: response(503),
+        instance: "urn:uuid:i".into(),
+    }
 }
 
 #[test]
@@ -281,9 +295,10 @@ fn a_hop_step_that_fails_answers_the_fallback_and_never_resumes() {
         let mut expected = vec![HostCall::SetEffectiveContext(7)];
         expected.extend(steps[..=i].iter().cloned());
         let fallback = response(503);
+        expected.push(HostCall::SetProperty { path: vec![INSTANCE_PROPERTY.into()], value: b"urn:uuid:i".to_vec() });
         expected.push(HostCall::SendLocalResponse { status: 503, headers: fallback.headers, body: None });
         assert_eq!(vm.host().take_calls(), expected, "{name}");
-        let line = format!("cannot re-route a gRPC replay ({name}): answering it as failed");
+        let line = format!("cannot re-route a gRPC replay ({name}): refused replay-failed, instance urn:uuid:i");
         assert_eq!(vm.host().take_logs(), vec![warn(&line)]);
     }
 
@@ -297,7 +312,7 @@ fn a_hop_step_that_fails_answers_the_fallback_and_never_resumes() {
     assert_eq!(
         vm.host().take_logs(),
         vec![
-            warn("cannot re-route a gRPC replay (clearing the route): answering it as failed"),
+            warn("cannot re-route a gRPC replay (clearing the route): refused replay-failed, instance urn:uuid:i"),
             warn("cannot send local response: NotFound"),
         ]
     );
@@ -372,6 +387,25 @@ fn every_trailer_is_added_even_after_one_is_refused() {
         .collect();
     assert_eq!(vm.host().take_calls(), added);
     assert_eq!(vm.host().take_logs(), vec![warn("cannot add trailer grpc-message: BadArgument")]);
+}
+
+#[test]
+fn a_refusals_instance_goes_to_its_streams_filter_state() {
+    let vm = vm();
+    assert_eq!(vm.carry_out(Command::Instance { stream: 7, instance: "urn:uuid:i".into() }), None);
+    assert_eq!(
+        vm.host().take_calls(),
+        vec![
+            HostCall::SetEffectiveContext(7),
+            HostCall::SetProperty { path: vec![INSTANCE_PROPERTY.into()], value: b"urn:uuid:i".to_vec() },
+        ]
+    );
+    vm.host().fail(|c| matches!(c, HostCall::SetProperty { .. }), NOT_FOUND);
+    vm.carry_out(Command::Instance { stream: 7, instance: "urn:uuid:i".into() });
+    assert_eq!(
+        vm.host().take_logs(),
+        vec![(Level::Debug, format!("cannot set {INSTANCE_PROPERTY}: NotFound"))]
+    );
 }
 
 #[test]

@@ -12,7 +12,7 @@ use super::calls::{GrpcStream, HostCalls, HttpCall, LocalReply, Map, MetricKind}
 use crate::config::Config;
 use crate::http::grpc::{HOP_HEADER, HOP_PATH, RECORD_CONTENT_TYPE};
 use crate::request::metrics::{Metric, LOCAL_RECORDS, OUTCOME_PROPERTY, STORE_LATENCY, STREAM_CALLS};
-use crate::request::problem::LocalResponse;
+use crate::request::problem::{LocalResponse, INSTANCE_PROPERTY};
 use crate::store::client::CallKind;
 use crate::worker::command::{Command, Dispatch};
 use crate::worker::coordinator::Coordinator;
@@ -136,8 +136,8 @@ impl<H: HostCalls> Vm<H> {
         match command {
             Command::Respond { stream, response } => return self.respond(stream, &response),
             Command::Resume { stream } => self.resume(stream),
-            Command::Hop { stream, record, body_len, fallback } => {
-                self.hop(stream, &record, body_len, &fallback);
+            Command::Hop { stream, record, body_len, fallback, instance } => {
+                self.hop(stream, &record, body_len, &fallback, &instance);
             }
             Command::SetResponseHeader { name, value, .. } => {
                 self.set_header(Map::ResponseHeaders, &name, Some(&value), Level::Warn);
@@ -152,6 +152,7 @@ impl<H: HostCalls> Vm<H> {
                 self.set_header(Map::RequestHeaders, &name, None, Level::Warn);
             }
             Command::AddResponseTrailers { trailers, .. } => self.add_trailers(&trailers),
+            Command::Instance { stream, instance } => self.instance(stream, &instance),
             Command::Outcome { stream, outcome } => self.outcome(stream, outcome),
             Command::Count(metric) => self.count(metric, 1),
             Command::Add { metric, n } => self.count(metric, n),
@@ -190,13 +191,17 @@ impl<H: HostCalls> Vm<H> {
 
     /// The second hop of a gRPC replay (see `request::machine::hop`), or `fallback` if a step
     /// fails: the request never goes on as it is.
-    fn hop(&self, stream: u32, record: &[u8], body_len: usize, fallback: &LocalResponse) {
+    fn hop(&self, stream: u32, record: &[u8], body_len: usize, fallback: &LocalResponse, instance: &str) {
         // Never another stream's body: a stream Envoy no longer knows needs nothing.
         if self.host.set_effective_context(stream).is_err() {
             return;
         }
         let Err(step) = self.hop_steps(record, body_len) else { return };
-        self.log(Level::Warn, format_args!("cannot re-route a gRPC replay ({step}): answering it as failed"));
+        self.log(
+            Level::Warn,
+            format_args!("cannot re-route a gRPC replay ({step}): refused replay-failed, instance {instance}"),
+        );
+        self.set_instance(instance);
         let reply = LocalReply { status: fallback.status, headers: &fallback.headers, body: None };
         if let Err(s) = self.host.send_local_response(reply) {
             self.log(Level::Warn, format_args!("cannot send local response: {s:?}"));
@@ -234,6 +239,18 @@ impl<H: HostCalls> Vm<H> {
             if let Err(s) = self.host.add_header(Map::ResponseTrailers, name, value) {
                 self.log(Level::Warn, format_args!("cannot add trailer {name}: {s:?}"));
             }
+        }
+    }
+
+    fn instance(&self, stream: u32, instance: &str) {
+        let _ = self.host.set_effective_context(stream);
+        self.set_instance(instance);
+    }
+
+    /// On the current stream.
+    fn set_instance(&self, instance: &str) {
+        if let Err(s) = self.host.set_property(&[INSTANCE_PROPERTY], instance.as_bytes()) {
+            self.log(Level::Debug, format_args!("cannot set {INSTANCE_PROPERTY}: {s:?}"));
         }
     }
 

@@ -10,28 +10,28 @@
 use crate::config::Config;
 use crate::http::headers;
 use crate::request::metrics::Metric;
-use crate::request::problem::{self, LocalResponse};
+use crate::request::problem::{self, LocalResponse, Problem};
 use crate::store::record::Record;
 use crate::store::record::RequestPrint;
 
-/// The answer for a retry whose request has `print` and these `accept-encoding` values, and the
-/// counter it goes on.
+/// The answer for a retry whose request has `print` and these `accept-encoding` values (its
+/// replay, or the problem it gets instead), and the counter it goes on.
 pub fn answer(
     cfg: &Config,
     record: Record,
     print: Option<&RequestPrint>,
     accept_encoding: &[Vec<u8>],
-) -> (LocalResponse, Metric) {
+) -> (Result<LocalResponse, Problem>, Metric) {
     let replayed = marker(cfg);
     // Until when a retry of it is safe: when the store forgets the record, if that is known.
     let expiry = expiry(cfg, record.expires_ms);
     if let Some(status) = cfg.inbox().and_then(|i| i.duplicate_status) {
         let mut headers = vec![replayed];
         headers.extend(expiry);
-        return (LocalResponse { status: u32::from(status), headers, body: Vec::new() }, Metric::Replayed);
+        return (Ok(LocalResponse { status: u32::from(status), headers, body: Vec::new() }), Metric::Replayed);
     }
     if let Some(refusal) = made_for_another(cfg, &record, print) {
-        return (refusal, Metric::Mismatched);
+        return (Err(refusal), Metric::Mismatched);
     }
     let mut headers = record.headers;
     if record.body_omitted {
@@ -41,17 +41,17 @@ pub fn answer(
         headers.push((cfg.body_omitted_header.clone(), "true".to_string()));
         headers.extend(expiry);
         return (
-            LocalResponse { status: u32::from(record.status), headers, body: Vec::new() },
+            Ok(LocalResponse { status: u32::from(record.status), headers, body: Vec::new() }),
             Metric::Replayed,
         );
     }
     let coding = headers.iter().find(|(n, _)| n == "content-encoding");
     if let Some(refused) = coding.and_then(|(_, v)| headers::refused_coding(accept_encoding, v.as_bytes())) {
-        return (problem::encoding_not_acceptable(cfg, &refused), Metric::Rejected);
+        return (Err(problem::encoding_not_acceptable(cfg, &refused)), Metric::Rejected);
     }
     headers.push(replayed);
     headers.extend(expiry);
-    (LocalResponse { status: u32::from(record.status), headers, body: record.body }, Metric::Replayed)
+    (Ok(LocalResponse { status: u32::from(record.status), headers, body: record.body }), Metric::Replayed)
 }
 
 /// The header that marks a replay, HTTP or gRPC: `replay_header` (the marker the filter adds)
@@ -67,12 +67,9 @@ pub fn expiry(cfg: &Config, expires_ms: Option<u64>) -> Option<(String, String)>
     Some((name.clone(), headers::http_date(expires_ms?)?))
 }
 
-/// The `422` for a retry whose request is not the one `record` was made for, if it is not.
-pub fn made_for_another(
-    cfg: &Config,
-    record: &Record,
-    print: Option<&RequestPrint>,
-) -> Option<LocalResponse> {
+/// The `key-reused` problem for a retry whose request is not the one `record` was made for, if
+/// it is not.
+pub fn made_for_another(cfg: &Config, record: &Record, print: Option<&RequestPrint>) -> Option<Problem> {
     let what = record.print.as_ref()?.differs_from(print?)?;
     Some(problem::key_reused(cfg, &what))
 }
@@ -81,6 +78,7 @@ pub fn made_for_another(
 mod tests {
     use super::*;
     use crate::request::fingerprint::Differs;
+    use crate::request::problem::Code;
 
     fn cfg(extra: &str) -> Config {
         Config::from_json(format!(r#"{{"store_cluster":"s"{extra}}}"#).as_bytes()).unwrap()
@@ -112,6 +110,7 @@ mod tests {
         let rec = record(&[("content-type", "application/octet-stream"), ("location", "/o/1")], &body);
         let (r, m) = answer(&cfg(""), rec, Some(&print(1)), &[]);
         assert_eq!(m, Metric::Replayed);
+        let r = r.unwrap();
         assert_eq!((r.status, r.body.as_slice()), (201, body.as_slice()));
         assert_eq!(
             r.headers,
@@ -126,12 +125,11 @@ mod tests {
     #[test]
     fn another_request_is_422_never_a_replay() {
         let (r, m) = answer(&cfg(""), record(&[], b"{}"), Some(&print(2)), &[]);
-        assert_eq!((r.status, m), (422, Metric::Mismatched));
-        assert_eq!(r.body, problem::key_reused(&cfg(""), &Differs::Target).body);
+        assert_eq!((r, m), (Err(problem::key_reused(&cfg(""), &Differs::Target)), Metric::Mismatched));
         let mut other = print(1);
         other.headers[0].1 = [2; 32];
         let (r, _) = answer(&cfg(""), record(&[], b"{}"), Some(&other), &[]);
-        assert_eq!(r.body, problem::key_reused(&cfg(""), &Differs::Header("x-tenant".into())).body);
+        assert_eq!(r, Err(problem::key_reused(&cfg(""), &Differs::Header("x-tenant".into()))));
         // A record without a print (the first format) replays as it did.
         let old = Record { print: None, ..record(&[], b"{}") };
         assert_eq!(answer(&cfg(""), old, Some(&print(2)), &[]).1, Metric::Replayed);
@@ -145,6 +143,7 @@ mod tests {
             ..record(&[("content-type", "application/json"), ("content-encoding", "gzip")], b"")
         };
         let (r, m) = answer(&cfg(""), rec, Some(&print(1)), &[]);
+        let r = r.unwrap();
         assert_eq!((r.status, m), (201, Metric::Replayed));
         assert!(r.body.is_empty());
         assert_eq!(header(&r, "x-idempotent-body-omitted"), Some("true"));
@@ -158,23 +157,24 @@ mod tests {
         let rec =
             || record(&[("content-type", "application/json"), ("content-encoding", "gzip")], b"\x1f\x8b");
         let (r, m) = answer(&cfg(""), rec(), Some(&print(1)), &[b"gzip, br".to_vec()]);
+        let r = r.unwrap();
         assert_eq!((r.status, m), (201, Metric::Replayed));
         assert_eq!(header(&r, "content-encoding"), Some("gzip"));
         assert_eq!(r.body, b"\x1f\x8b");
         for accept in [vec![], vec![b"br".to_vec()], vec![b"gzip;q=0".to_vec()]] {
             let (r, m) = answer(&cfg(""), rec(), Some(&print(1)), &accept);
-            assert_eq!((r.status, m), (406, Metric::Rejected), "{accept:?}");
-            let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-            assert_eq!(v["code"], "encoding-not-acceptable");
+            let p = r.unwrap_err();
+            assert_eq!((p.code, p.status, m), (Code::EncodingNotAcceptable, Some(406), Metric::Rejected), "{accept:?}");
         }
         // A mismatch is said first: the stored bytes are not this request's either way.
-        assert_eq!(answer(&cfg(""), rec(), Some(&print(2)), &[]).0.status, 422);
+        assert_eq!(answer(&cfg(""), rec(), Some(&print(2)), &[]).0.unwrap_err().code, Code::KeyReused);
     }
 
     #[test]
     fn inbox_duplicate_status_is_bare() {
         let c = cfg(r#","mode":"inbox","inbox":{"duplicate_status":202}"#);
         let (r, m) = answer(&c, Record::status_only(200), None, &[]);
+        let r = r.unwrap();
         assert_eq!((r.status, m), (202, Metric::Replayed));
         assert_eq!(r.headers, vec![("x-idempotent-replay".into(), "true".into())]);
     }

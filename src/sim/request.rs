@@ -5,7 +5,7 @@
 //!
 //! The invariants:
 //!
-//! * at most one local answer (`Respond`), and at most one execution (`Resume` or `Upstream`);
+//! * at most one local answer (`Respond` or `Refuse`), and at most one execution (`Resume` or `Upstream`);
 //!   never a local answer and a `Resume` for the same stream, never an execution after a local
 //!   answer, nothing of the three after the stream ended;
 //! * at most one `begin`, with a well-formed store key and body hash;
@@ -296,7 +296,7 @@ impl Driver {
     fn check(&mut self, effect: &Effect) -> Result<(), String> {
         match effect {
             // A gRPC replay's second hop answers the stream as a local answer would.
-            Effect::Respond(_) | Effect::Hop { .. } => {
+            Effect::Respond(_) | Effect::Refuse(_) | Effect::Hop { .. } => {
                 if self.responded {
                     return self.violation("a second local answer".into());
                 }

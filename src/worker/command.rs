@@ -30,13 +30,14 @@ pub enum Command {
     },
     /// A gRPC replay's second hop: mark the paused request with `grpc::HOP_HEADER` and the
     /// record content type, replace its body (`body_len` bytes) with `record`, clear the route
-    /// cache and resume it. If any step fails, answer `fallback` instead: the request must
-    /// never go on as it is.
+    /// cache and resume it. If any step fails, answer `fallback` instead (a problem with this
+    /// `instance`, for the log line): the request must never go on as it is.
     Hop {
         stream: u32,
         record: Vec<u8>,
         body_len: usize,
         fallback: LocalResponse,
+        instance: String,
     },
     /// Only in the stream's own response-headers callback (the replay listener).
     RemoveResponseHeader {
@@ -63,6 +64,12 @@ pub enum Command {
     RemoveRequestHeader {
         stream: u32,
         name: String,
+    },
+    /// Set the filter state the access log reads for a refusal's `instance`
+    /// (`problem::INSTANCE_PROPERTY`), before the refusal is sent.
+    Instance {
+        stream: u32,
+        instance: String,
     },
     /// Set the filter state the access log reads (`metrics::OUTCOME_PROPERTY`).
     Outcome {

@@ -15,6 +15,8 @@ INVALID = {
     "wrong_type": ({"store_cluster": "idemstore", "lock_ttl_ms": "x"}, ["lock_ttl_ms"]),
     "missing_store_cluster": ({}, ["store_cluster"]),
     "bad_failure_mode": ({"store_cluster": "idemstore", "failure_mode": "sideways"}, ["failure_mode"]),
+    "mismatch_status_not_409_or_422": ({"store_cluster": "idemstore", "mismatch_status": 400},
+                                       ["mismatch_status", "422 or 409"]),
     "not_json": ("{store_cluster: idemstore", []),
     # detached_timeout_ms is 1 .. lock_ttl_ms (a detached call must not outlive its lock)
     "detached_timeout_above_lock_ttl": ({"store_cluster": "idemstore", "detached_execution": True,

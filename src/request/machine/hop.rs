@@ -13,16 +13,12 @@ impl Machine {
     /// The guard: the answer for a gRPC retry whose key has `record`.
     pub(super) fn grpc_replay(&self, record: Record) -> Vec<Effect> {
         if let Some(refusal) = replay::made_for_another(&self.cfg, &record, self.print.as_ref()) {
-            return vec![Effect::Respond(refusal), Effect::Count(Metric::Mismatched)];
+            return vec![Effect::Refuse(refusal), Effect::Count(Metric::Mismatched)];
         }
         if record.trailers.is_none() {
             // An HTTP answer under this key (the same path, posted without gRPC).
-            let message =
-                "key-reused: This Idempotency-Key was already used with a request that was not a gRPC call.";
-            return vec![
-                Effect::Respond(problem::grpc_status(grpc::FAILED_PRECONDITION, message, vec![])),
-                Effect::Count(Metric::Mismatched),
-            ];
+            let detail = "This Idempotency-Key was already used with a request that was not a gRPC call.";
+            return vec![Effect::Refuse(problem::reused(&self.cfg, detail)), Effect::Count(Metric::Mismatched)];
         }
         vec![self.grpc_answer(record, true), Effect::Count(Metric::Replayed)]
     }
@@ -57,10 +53,10 @@ impl Machine {
         // The marker travels in the record: the replay listener needs no configuration.
         headers.extend(metadata);
         let hop = Record { headers, trailers: Some(trailers), print: None, ..record };
-        let fallback = problem::grpc_status(
+        let fallback = problem::replay_failed(
+            &self.cfg,
             grpc::UNAVAILABLE,
-            "replay-failed: The stored answer could not be replayed; retry with the same key.",
-            vec![],
+            "The stored answer could not be replayed; retry with the same key.",
         );
         Effect::Hop { record: hop.encode(), body_len: self.request_len, fallback }
     }
@@ -82,10 +78,10 @@ impl Machine {
             log::warn!(
                 "replay listener: a request that is not a re-routed retry (end of stream: {end_of_stream})"
             );
-            return Step::pause(vec![Effect::Respond(not_a_replay())]);
+            return Step::pause(vec![Effect::Refuse(self.not_a_replay())]);
         }
         if declared_length(view).is_some_and(|n| n > self.max_hop_body() as u64) {
-            return Step::pause(vec![Effect::Respond(self.hop_too_large())]);
+            return Step::pause(vec![Effect::Refuse(self.hop_too_large())]);
         }
         self.state = State::HopReading { body: Vec::new() };
         Step::pause(vec![])
@@ -96,14 +92,14 @@ impl Machine {
         let State::HopReading { body } = &mut self.state else { return Step::go(vec![]) };
         if buffered > cap {
             self.state = State::Done;
-            return Step::pause(vec![Effect::Respond(self.hop_too_large())]);
+            return Step::pause(vec![Effect::Refuse(self.hop_too_large())]);
         }
         if buffered > body.len() {
             match view.request_body(body.len(), buffered - body.len()) {
                 Some(chunk) => body.extend_from_slice(&chunk),
                 None => {
                     self.state = State::Done;
-                    return Step::pause(vec![Effect::Respond(not_a_replay())]);
+                    return Step::pause(vec![Effect::Refuse(self.not_a_replay())]);
                 }
             }
         }
@@ -126,7 +122,7 @@ impl Machine {
                     body.len(),
                     other.map(|r| (r.status, r.body.len(), r.trailers.is_some()))
                 );
-                Step::pause(vec![Effect::Respond(not_a_replay())])
+                Step::pause(vec![Effect::Refuse(self.not_a_replay())])
             }
         }
     }
@@ -147,26 +143,26 @@ impl Machine {
 
     /// The replay listener's `413`: a record larger than it reads (its `max_record_bytes` is
     /// below a guard's, or something else sent it).
-    fn hop_too_large(&self) -> LocalResponse {
+    fn hop_too_large(&self) -> Problem {
         log::warn!(
             "replay listener: a re-routed retry over {} bytes (max_record_bytes {} plus a record's \
              framing): give the replay listener the largest max_record_bytes of its guards",
             self.max_hop_body(),
             self.cfg.max_record_bytes
         );
-        problem::grpc_status(
+        problem::replay_failed(
+            &self.cfg,
             grpc::RESOURCE_EXHAUSTED,
-            "replay-failed: The stored answer is larger than the replay listener reads.",
-            vec![],
+            "The stored answer is larger than the replay listener reads.",
         )
     }
-}
 
-/// The replay listener's answer to anything but a well-formed re-routed retry.
-fn not_a_replay() -> LocalResponse {
-    problem::grpc_status(
-        grpc::INTERNAL,
-        "replay-failed: The replay listener takes only retries the idempotency filter re-routes.",
-        vec![],
-    )
+    /// The replay listener's answer to anything but a well-formed re-routed retry.
+    fn not_a_replay(&self) -> Problem {
+        problem::replay_failed(
+            &self.cfg,
+            grpc::INTERNAL,
+            "The replay listener takes only retries the idempotency filter re-routes.",
+        )
+    }
 }

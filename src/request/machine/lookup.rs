@@ -52,7 +52,7 @@ impl Machine {
     fn outcome_unknown(&mut self, running_ms: u64) -> Vec<Effect> {
         self.state = State::Done;
         vec![
-            Effect::Respond(problem::outcome_unknown(&self.cfg, running_ms)),
+            Effect::Refuse(problem::outcome_unknown(&self.cfg, running_ms)),
             Effect::Count(Metric::OutcomeUnknown),
         ]
     }
@@ -130,7 +130,7 @@ impl Machine {
             // The replay shows the application's body even when the record cannot keep it.
             let shown = Record { body: answer.body, body_omitted: false, ..record };
             let (response, _) = replay::answer(&self.cfg, shown, self.print.as_ref(), &self.accept_encoding);
-            effects.push(Effect::Respond(response));
+            effects.push(Effect::answer(response));
         }
         effects.push(Effect::Count(Metric::ResolvedByLookup));
         self.state = State::Done;

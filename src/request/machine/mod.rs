@@ -46,7 +46,7 @@ use crate::request::inbox::{self, AtHeaders, IdError, MessageId};
 use crate::request::keep::{self, Head, Keep};
 use crate::request::key;
 use crate::request::metrics::Metric;
-use crate::request::problem::{self, LocalResponse};
+use crate::request::problem::{self, LocalResponse, Problem};
 use crate::request::replay;
 use crate::store::client::{BeginAnswer, CalloutFault, Hold, LockTerms, LockToken, StoreCall};
 use crate::store::record::RequestPrint;
@@ -84,8 +84,12 @@ pub enum Action {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Effect {
-    /// Answer the client instead of the upstream. At most one per stream.
+    /// Answer the client instead of the upstream (a replay, the replay listener's answer). At
+    /// most one `Respond` or `Refuse` per stream.
     Respond(LocalResponse),
+    /// Refuse the request with this problem, which the coordinator gives its `instance` and
+    /// sends as the request's form wants (a gRPC status for a gRPC call).
+    Refuse(Problem),
     /// Let the paused request go on to the upstream.
     Resume,
     /// A store call, owned by the root context so that it outlives the stream.
@@ -99,12 +103,12 @@ pub enum Effect {
     SetRequestHeader(String, String),
     RemoveRequestHeader(String),
     /// gRPC replay: send the paused request, its body (`body_len` bytes) replaced by `record`,
-    /// to the replay listener (see [`grpc::HOP_HEADER`]); answer `fallback` if that cannot be
-    /// done (never let the request go on as it is).
+    /// to the replay listener (see [`grpc::HOP_HEADER`]); refuse with `fallback` if that cannot
+    /// be done (never let the request go on as it is).
     Hop {
         record: Vec<u8>,
         body_len: usize,
-        fallback: LocalResponse,
+        fallback: Problem,
     },
     /// The replay listener: add these trailers to the answer it is sending.
     AddResponseTrailers(Vec<(String, String)>),
@@ -114,6 +118,16 @@ pub enum Effect {
     /// Set a header on the upstream's answer, in its headers callback (`expiry_header`).
     SetResponseHeader(String, String),
     Count(Metric),
+}
+
+impl Effect {
+    /// A replay, or the problem a retry gets instead.
+    fn answer(answer: Result<LocalResponse, Problem>) -> Effect {
+        match answer {
+            Ok(replay) => Effect::Respond(replay),
+            Err(problem) => Effect::Refuse(problem),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -270,7 +284,7 @@ impl Machine {
     }
 
     /// A guarded gRPC call: the filter's own answers to it are gRPC statuses
-    /// (`problem::grpc`).
+    /// ([`Problem::answer`]).
     pub fn is_grpc(&self) -> bool {
         self.grpc.is_some()
     }

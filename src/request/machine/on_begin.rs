@@ -11,32 +11,27 @@ impl Machine {
                 Ok(BeginAnswer::Replay(record)) => {
                     let (answer, metric) =
                         replay::answer(&self.cfg, record, self.print.as_ref(), &self.accept_encoding);
-                    vec![Effect::Respond(answer), Effect::Count(metric)]
+                    vec![Effect::answer(answer), Effect::Count(metric)]
                 }
                 Ok(BeginAnswer::Mismatch) => vec![
-                    Effect::Respond(problem::key_reused(&self.cfg, &fingerprint::Differs::Body)),
+                    Effect::Refuse(problem::key_reused(&self.cfg, &fingerprint::Differs::Body)),
                     Effect::Count(Metric::Mismatched),
                 ],
                 Ok(BeginAnswer::Withheld) => {
                     let retry_ms = self.cfg.breaker_open_ms.max(1000);
                     vec![
-                        Effect::Respond(problem::answer_withheld(&self.cfg, retry_ms)),
+                        Effect::Refuse(problem::answer_withheld(&self.cfg, retry_ms)),
                         Effect::Count(Metric::Unavailable),
                     ]
                 }
                 Ok(BeginAnswer::Busy { lock_ms }) => {
                     // What the store says is left of the holder's lock; never beyond its TTL.
                     let left = lock_ms.unwrap_or(1).min(self.cfg.lock_ttl_ms);
-                    let mut problem = match self.cfg.inbox() {
+                    let problem = match self.cfg.inbox() {
                         Some(_) => problem::message_in_flight(&self.cfg, left),
                         None => problem::in_flight(&self.cfg, left),
                     };
-                    if self.grpc.is_some() {
-                        // The lock's exact time left, for the client's retry (`retry-after` has
-                        // whole seconds).
-                        problem = problem::grpc(problem, Some(left));
-                    }
-                    vec![Effect::Respond(problem), Effect::Count(Metric::Conflicted)]
+                    vec![Effect::Refuse(problem), Effect::Count(Metric::Conflicted)]
                 }
                 Ok(BeginAnswer::InDoubt { token, running_ms, .. }) => {
                     self.in_doubt(key, body_hash, token, running_ms)
@@ -82,7 +77,7 @@ impl Machine {
         match self.cfg.failure_mode {
             FailureMode::Open => vec![Effect::Resume, Effect::Count(Metric::Degraded)],
             FailureMode::Closed => vec![
-                Effect::Respond(problem::store_unavailable(&self.cfg)),
+                Effect::Refuse(problem::store_unavailable(&self.cfg)),
                 Effect::Count(Metric::Degraded),
                 Effect::Count(Metric::Unavailable),
             ],

@@ -480,12 +480,12 @@ impl StreamView for NoHeaders {
     }
 }
 
-fn reject(response: LocalResponse) -> Step {
-    Step::pause(vec![Effect::Respond(response), Effect::Count(Metric::Rejected)])
+fn reject(problem: Problem) -> Step {
+    Step::pause(vec![Effect::Refuse(problem), Effect::Count(Metric::Rejected)])
 }
 
 fn too_large(cfg: &Config, mut effects: Vec<Effect>) -> Step {
-    effects.push(Effect::Respond(problem::body_too_large(cfg)));
+    effects.push(Effect::Refuse(problem::body_too_large(cfg)));
     effects.push(Effect::Count(Metric::Rejected));
     Step::pause(effects)
 }

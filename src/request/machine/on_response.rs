@@ -184,7 +184,7 @@ impl Machine {
         let whole = frames.complete() && frames.messages <= 1;
         if answer.status != 200 || grpc::kind(head.content_type.as_deref()) != grpc::Kind::Grpc {
             if !gone {
-                effects.push(Effect::Respond(problem::upstream_failed(&self.cfg)));
+                effects.push(Effect::Refuse(problem::upstream_failed(&self.cfg)));
             }
             effects.extend(release(key, token));
             return effects;
@@ -437,7 +437,7 @@ impl Machine {
                         CalloutFault::Timeout => problem::upstream_timeout(&self.cfg),
                         _ => problem::upstream_failed(&self.cfg),
                     };
-                    effects.push(Effect::Respond(problem));
+                    effects.push(Effect::Refuse(problem));
                 }
                 // A timeout or a reset came after the request went out; a call that could not be
                 // dispatched never left.

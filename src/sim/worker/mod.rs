@@ -169,6 +169,9 @@ pub struct World {
     unknown_in_doubt: std::collections::HashSet<String>,
     /// Each stream's last outcome (`wasm.idempotency_outcome`).
     outcomes: HashMap<u32, &'static str>,
+    /// Each stream's problem `instance` (`wasm.idempotency_instance`), and every one handed out.
+    instances: HashMap<u32, String>,
+    every_instance: std::collections::HashSet<String>,
     /// Streams that ran their request in the current event, and what completed.
     ran_now: Vec<usize>,
     completing: Vec<(usize, String, Vec<u8>)>,
@@ -228,6 +231,8 @@ impl World {
             doubt: HashMap::new(),
             unknown_in_doubt: Default::default(),
             outcomes: HashMap::new(),
+            instances: HashMap::new(),
+            every_instance: Default::default(),
             ran_now: Vec::new(),
             completing: Vec::new(),
             completed: HashMap::new(),
@@ -658,6 +663,16 @@ impl World {
                     }
                     self.tally.replays += 1;
                 }
+                if response.headers.iter().any(|(n, v)| n == "content-type" && v == "application/problem+json") {
+                    let problem: Option<serde_json::Value> = serde_json::from_slice(&response.body).ok();
+                    let instance = problem.as_ref().and_then(|p| p.get("instance")).and_then(|i| i.as_str());
+                    if instance.is_none() || instance != self.instances.get(&stream).map(String::as_str) {
+                        return self.violation(format!(
+                            "stream {stream}'s problem has instance {instance:?}, its access log {:?}",
+                            self.instances.get(&stream)
+                        ));
+                    }
+                }
                 if response.status == 503
                     && String::from_utf8_lossy(&response.body).contains("already processed")
                 {
@@ -705,6 +720,13 @@ impl World {
                     return self
                         .violation(format!("a request header removed outside stream {stream}'s callback"));
                 }
+            }
+            Command::Instance { stream, instance } => {
+                self.addressed(stream, "an instance", false)?;
+                if !self.every_instance.insert(instance.clone()) {
+                    return self.violation(format!("instance {instance} handed out twice"));
+                }
+                self.instances.insert(stream, instance);
             }
             Command::Outcome { stream, outcome } => {
                 self.addressed(stream, "an outcome", false)?;

@@ -28,7 +28,7 @@ use crate::config::Config;
 use crate::request::detached::UpstreamAnswer;
 use crate::request::machine::{Action, Effect, Machine, Step, StreamView};
 use crate::request::metrics::Metric;
-use crate::request::problem;
+use crate::request::problem::{Instances, LocalResponse, Problem};
 use crate::store::client::{BeginAnswer, CallKind, CalloutFault, StoreAnswer, StoreCall};
 use crate::worker::callouts::{Callback, Callouts};
 use crate::worker::command::Command;
@@ -109,6 +109,8 @@ pub struct Coordinator {
     tick_ms: u64,
     /// Calls on the store stream, as last told to the host.
     streamed: usize,
+    /// The `instance` of each problem this VM answers.
+    instances: Instances,
 }
 
 impl Coordinator {
@@ -125,6 +127,7 @@ impl Coordinator {
             callback: Callback::Stream,
             tick_ms: 0,
             streamed: 0,
+            instances: Instances::default(),
         }
     }
 
@@ -134,6 +137,7 @@ impl Coordinator {
         self.enter_root();
         self.path.set_up(env, seed);
         self.callouts.seed(seed);
+        self.instances = Instances::new(seed);
     }
 
     /// The root's tick: waiters for a local lock look again, local records are handed back.
@@ -249,10 +253,12 @@ impl Coordinator {
             entry.key_prefix = entry.machine.store_key().map(|k| key_prefix(k).to_string());
         }
         // Store calls (and so log lines) follow only once a store key exists, or will once the
-        // body has been read (inbox mode; the headers may be gone by then).
+        // body has been read (inbox mode; the headers may be gone by then), and a refusal is a
+        // log line.
         if entry.request_id.is_none()
             && (entry.key_prefix.is_some()
                 || entry.machine.awaits_key()
+                || step.effects.iter().any(|e| matches!(e, Effect::Refuse(_)))
                 || log::log_enabled!(log::Level::Debug))
         {
             entry.request_id =
@@ -317,7 +323,8 @@ impl Coordinator {
         self.callback = Callback::Stream;
         self.hop_wake = false;
         for hop in std::mem::take(&mut self.hops) {
-            if let Command::Hop { stream, fallback, .. } = hop {
+            if let Command::Hop { stream, fallback, instance, .. } = hop {
+                log::warn!("cannot wake the root to re-route a gRPC replay: refused replay-failed, instance {instance}");
                 self.commands.push_back(Command::Respond { stream, response: fallback });
             }
         }
@@ -378,24 +385,22 @@ impl Coordinator {
     fn apply(&mut self, stream: u32, effects: Vec<Effect>, alive: bool, env: &dyn Env) {
         for effect in effects {
             match effect {
-                Effect::Respond(response) if alive => {
-                    // The filter's answers to a gRPC call are gRPC statuses.
-                    let response = match self.streams.get(&stream) {
-                        Some(e) if e.machine.is_grpc() => problem::grpc(response, None),
-                        _ => response,
-                    };
-                    // A replay says what the upstream said: a 204 with a content type, or a body
-                    // left out, keeps it; bytes the upstream did not label stay unlabelled.
-                    let content_type =
-                        response.headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v);
-                    if response.body.is_empty() == content_type.is_some() {
-                        self.restore.insert(stream, content_type.cloned());
-                    }
-                    self.commands.push_back(Command::Respond { stream, response });
+                Effect::Respond(response) if alive => self.respond(stream, response),
+                Effect::Refuse(problem) if alive => {
+                    let instance = self.instances.next();
+                    let grpc = self.streams.get(&stream).is_some_and(|e| e.machine.is_grpc());
+                    let response = problem.answer(grpc, &instance);
+                    self.log_refusal(stream, &problem, response.status, &instance);
+                    self.commands.push_back(Command::Instance { stream, instance });
+                    self.respond(stream, response);
                 }
                 Effect::Resume if alive => self.commands.push_back(Command::Resume { stream }),
                 Effect::Hop { record, body_len, fallback } if alive => {
-                    let hop = Command::Hop { stream, record, body_len, fallback };
+                    // Sent only if the hop fails, and then not in the access log (which says
+                    // the request was replayed): the log line names it.
+                    let instance = self.instances.next();
+                    let fallback = fallback.answer(true, &instance);
+                    let hop = Command::Hop { stream, record, body_len, fallback, instance };
                     if self.callback == Callback::Root {
                         self.commands.push_back(hop);
                     } else {
@@ -406,7 +411,7 @@ impl Coordinator {
                         }
                     }
                 }
-                Effect::Respond(_) | Effect::Resume | Effect::Hop { .. } => {}
+                Effect::Respond(_) | Effect::Refuse(_) | Effect::Resume | Effect::Hop { .. } => {}
                 Effect::RemoveResponseHeader(name) => {
                     self.commands.push_back(Command::RemoveResponseHeader { stream, name })
                 }
@@ -450,6 +455,32 @@ impl Coordinator {
                     self.commands.push_back(Command::Count(m));
                 }
             }
+        }
+    }
+
+    fn respond(&mut self, stream: u32, response: LocalResponse) {
+        // A replay says what the upstream said: a 204 with a content type, or a body left out,
+        // keeps it; bytes the upstream did not label stay unlabelled.
+        let content_type = response.headers.iter().find(|(n, _)| n == "content-type").map(|(_, v)| v);
+        if response.body.is_empty() == content_type.is_some() {
+            self.restore.insert(stream, content_type.cloned());
+        }
+        self.commands.push_back(Command::Respond { stream, response });
+    }
+
+    /// One line per refusal, with the `instance` the client and the access log see: what
+    /// support searches for when a client quotes the problem.
+    fn log_refusal(&self, stream: u32, problem: &Problem, status: u32, instance: &str) {
+        let entry = self.streams.get(&stream);
+        let key = entry.and_then(|e| e.key_prefix.as_deref()).unwrap_or("-");
+        let request = entry.and_then(|e| e.request_id.as_deref()).unwrap_or("-");
+        let code = problem.code.name();
+        match (status, problem.status) {
+            (200, _) | (_, None) => {
+                let grpc = problem.grpc_status;
+                log::info!("request {request} key {key}: refused {code} (grpc-status {grpc}), instance {instance}");
+            }
+            _ => log::info!("request {request} key {key}: refused {code} ({status}), instance {instance}"),
         }
     }
 

@@ -96,27 +96,17 @@ fn a_retry_of_an_in_doubt_key_runs_nothing_and_gets_409() {
     let mut s = beginning("");
     let effects =
         s.on_begin_answer(Ok(BeginAnswer::InDoubt { token: "t0".into(), started_ms: 1, running_ms: 2_500 }));
-    let [Effect::Respond(r), Effect::Count(Metric::OutcomeUnknown)] = effects.as_slice() else {
+    let [Effect::Refuse(p), Effect::Count(Metric::OutcomeUnknown)] = effects.as_slice() else {
         panic!("{effects:?}")
     };
-    assert_eq!(r.status, 409);
-    let doc: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-    assert_eq!(doc["code"], "outcome-unknown");
-    assert!(r.headers.contains(&("retry-after".into(), "3".into())), "{:?}", r.headers);
+    assert_eq!((p.code, p.status, p.retry_after_ms), (Code::OutcomeUnknown, Some(409), Some(2_500)));
     assert!(s.is_done());
     // Once the first attempt can no longer be running: no retry-after.
     let mut s = beginning("");
     let effects =
         s.on_begin_answer(Ok(BeginAnswer::InDoubt { token: "t0".into(), started_ms: 1, running_ms: 0 }));
-    let [Effect::Respond(r), _] = effects.as_slice() else { panic!("{effects:?}") };
-    assert!(!r.headers.iter().any(|(n, _)| n == "retry-after"), "{:?}", r.headers);
-    // In gRPC terms: ABORTED, not UNAVAILABLE (which clients retry by themselves).
-    let g = problem::grpc(r.clone(), None);
-    assert!(
-        g.headers.contains(&("grpc-status".into(), crate::http::grpc::ABORTED.to_string())),
-        "{:?}",
-        g.headers
-    );
+    let [Effect::Refuse(p), _] = effects.as_slice() else { panic!("{effects:?}") };
+    assert_eq!(p.retry_after_ms, None);
 }
 
 const LOOKUP: &str = r#","store_key_header":"x-store-key","outcome_lookup":{"path":"/orders/by-key/{key}"}"#;

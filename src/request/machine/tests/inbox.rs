@@ -133,7 +133,7 @@ fn inbox_missing_id_is_rejected_or_passed() {
     let step = s.on_request_headers(&MockView::post(None), false);
     assert_eq!(respond_status(&step.effects), Some(400));
     assert_eq!(counts(&step.effects), vec![Metric::Rejected]);
-    let Some(Effect::Respond(r)) = step.effects.first() else { panic!() };
+    let Some(r) = answered(&step.effects) else { panic!() };
     assert!(String::from_utf8_lossy(&r.body).contains("missing-message-id"));
     let mut s = Machine::new(cfg(INBOX_PASS));
     assert_eq!(
@@ -180,7 +180,7 @@ fn inbox_malformed_ids_get_400_even_with_pass() {
         let mut s = Machine::new(cfg(INBOX_PASS));
         let step = s.on_request_headers(&v, false);
         assert_eq!(respond_status(&step.effects), Some(400));
-        let Some(Effect::Respond(r)) = step.effects.first() else { panic!() };
+        let Some(r) = answered(&step.effects) else { panic!() };
         let text = String::from_utf8_lossy(&r.body);
         assert!(text.contains("invalid-message-id") && !text.contains(&long), "{text}");
     }
@@ -293,11 +293,10 @@ fn inbox_duplicates_replay_or_get_the_configured_status() {
     let mut s = Machine::new(cfg(INBOX));
     s.on_request_headers(&binary_event("e1", "/src"), true);
     let effects = s.on_begin_answer(Ok(BeginAnswer::Busy { lock_ms: None }));
-    let [Effect::Respond(r), Effect::Count(Metric::Conflicted)] = effects.as_slice() else {
+    let [Effect::Refuse(p), Effect::Count(Metric::Conflicted)] = effects.as_slice() else {
         panic!("{effects:?}")
     };
-    assert_eq!(r.status, 409);
-    assert!(String::from_utf8_lossy(&r.body).contains("message-in-flight"));
+    assert_eq!((p.code, p.status), (Code::MessageInFlight, Some(409)));
 }
 
 #[test]

@@ -3,6 +3,7 @@
 use super::*;
 use crate::request::detached::{UpstreamAnswer, UpstreamCall};
 use crate::request::key::hex;
+use crate::request::problem::Code;
 use crate::sim::request::{Driver, Event, MockView, Tally};
 use crate::store::client::{BeginAnswer, LockToken};
 
@@ -25,9 +26,20 @@ fn begin_call(effects: &[Effect]) -> (String, String) {
     panic!("no begin in {effects:?}")
 }
 
+/// The first local answer among `effects`: a `Respond`, or a `Refuse` as the HTTP problem it
+/// is sent as.
+fn answered(effects: &[Effect]) -> Option<LocalResponse> {
+    effects.iter().find_map(|e| match e {
+        Effect::Respond(r) => Some(r.clone()),
+        Effect::Refuse(p) => Some(p.answer(false, "urn:uuid:00000000-0000-4000-8000-000000000000")),
+        _ => None,
+    })
+}
+
 fn respond_status(effects: &[Effect]) -> Option<u32> {
     effects.iter().find_map(|e| match e {
         Effect::Respond(r) => Some(r.status),
+        Effect::Refuse(p) => p.status,
         _ => None,
     })
 }

@@ -116,7 +116,7 @@ fn record_then_retry(
 }
 
 fn problem_of(effects: &[Effect]) -> serde_json::Value {
-    let Some(Effect::Respond(r)) = effects.first() else { panic!("{effects:?}") };
+    let Some(r) = answered(effects) else { panic!("{effects:?}") };
     serde_json::from_slice(&r.body).unwrap()
 }
 
@@ -189,7 +189,7 @@ fn in_flight_409_says_how_long_the_lock_lives() {
         let mut s = Machine::new(cfg(r#","lock_wait_ms":0"#));
         s.on_request_headers(&MockView::post(Some("k")), true);
         let effects = s.on_begin_answer(Ok(BeginAnswer::Busy { lock_ms }));
-        let Some(Effect::Respond(r)) = effects.first() else { panic!() };
+        let Some(r) = answered(&effects) else { panic!() };
         assert_eq!(r.status, 409);
         assert!(r.headers.contains(&("retry-after".into(), after.into())), "{lock_ms:?}: {:?}", r.headers);
         assert_eq!(problem_of(&effects)["code"], "request-in-flight");
