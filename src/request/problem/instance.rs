@@ -26,7 +26,7 @@ impl Instances {
         Instances { seed, count: 0 }
     }
 
-    pub fn next(&mut self) -> String {
+    pub fn mint(&mut self) -> String {
         self.count = self.count.wrapping_add(1);
         let digest = Sha256::new().chain_update(self.seed.to_be_bytes()).chain_update(self.count.to_be_bytes()).finalize();
         let mut bytes = [0u8; 16];
@@ -63,7 +63,7 @@ mod tests {
         for seed in [0, 1, u64::MAX] {
             let mut instances = Instances::new(seed);
             for _ in 0..1000 {
-                let i = instances.next();
+                let i = instances.mint();
                 assert!(is_uuid_v4_urn(&i), "{i}");
                 assert!(seen.insert(i));
             }

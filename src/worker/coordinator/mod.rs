@@ -387,7 +387,7 @@ impl Coordinator {
             match effect {
                 Effect::Respond(response) if alive => self.respond(stream, response),
                 Effect::Refuse(problem) if alive => {
-                    let instance = self.instances.next();
+                    let instance = self.instances.mint();
                     let grpc = self.streams.get(&stream).is_some_and(|e| e.machine.is_grpc());
                     let response = problem.answer(grpc, &instance);
                     self.log_refusal(stream, &problem, response.status, &instance);
@@ -398,7 +398,7 @@ impl Coordinator {
                 Effect::Hop { record, body_len, fallback } if alive => {
                     // Sent only if the hop fails, and then not in the access log (which says
                     // the request was replayed): the log line names it.
-                    let instance = self.instances.next();
+                    let instance = self.instances.mint();
                     let fallback = fallback.answer(true, &instance);
                     let hop = Command::Hop { stream, record, body_len, fallback, instance };
                     if self.callback == Callback::Root {
