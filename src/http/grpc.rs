@@ -4,8 +4,8 @@
 //! A unary call (one request message, one answer message and its trailers) is guarded like any
 //! keyed request; what streams passes through. Envoy's local reply to a gRPC request is
 //! trailers-only, so the filter's refusals are a `grpc-status` with a `grpc-message`
-//! (`request::problem::grpc`), and a replay, which needs a message and trailers, goes by a
-//! second hop (see [`HOP_HEADER`]).
+//! (`request::problem::Problem::answer`), and a replay, which needs a message and trailers, goes
+//! by a second hop (see [`HOP_HEADER`]).
 
 use crate::http::headers::MediaType;
 
