@@ -81,13 +81,7 @@ fn every_command() -> Vec<Command> {
     vec![
         Command::Respond { stream: 7, response: response(409) },
         Command::Resume { stream: 7 },
-        Command::Hop {
-            stream: 7,
-            record: b"rec".to_vec(),
-            body_len: 5,
-            fallback: response(503),
-            instance: "urn:uuid:i".into(),
-        },
+        hop(),
         Command::Instance { stream: 7, instance: "urn:uuid:i".into() },
         Command::RemoveResponseHeader { stream: 7, name: "x-a".into() },
         Command::SetResponseHeader { stream: 7, name: "x-a".into(), value: "1".into() },
@@ -390,41 +384,25 @@ fn every_trailer_is_added_even_after_one_is_refused() {
 }
 
 #[test]
-fn a_refusals_instance_goes_to_its_streams_filter_state() {
-    let vm = vm();
-    assert_eq!(vm.carry_out(Command::Instance { stream: 7, instance: "urn:uuid:i".into() }), None);
-    assert_eq!(
-        vm.host().take_calls(),
-        vec![
-            HostCall::SetEffectiveContext(7),
-            HostCall::SetProperty { path: vec![INSTANCE_PROPERTY.into()], value: b"urn:uuid:i".to_vec() },
-        ]
-    );
-    vm.host().fail(|c| matches!(c, HostCall::SetProperty { .. }), NOT_FOUND);
-    vm.carry_out(Command::Instance { stream: 7, instance: "urn:uuid:i".into() });
-    assert_eq!(
-        vm.host().take_logs(),
-        vec![(Level::Debug, format!("cannot set {INSTANCE_PROPERTY}: NotFound"))]
-    );
-}
-
-#[test]
-fn the_outcome_goes_to_its_streams_filter_state() {
-    let vm = vm();
-    assert_eq!(vm.carry_out(Command::Outcome { stream: 7, outcome: "replayed" }), None);
-    assert_eq!(
-        vm.host().take_calls(),
-        vec![
-            HostCall::SetEffectiveContext(7),
-            HostCall::SetProperty { path: vec![OUTCOME_PROPERTY.into()], value: b"replayed".to_vec() },
-        ]
-    );
-    vm.host().fail(|c| matches!(c, HostCall::SetProperty { .. }), NOT_FOUND);
-    vm.carry_out(Command::Outcome { stream: 7, outcome: "replayed" });
-    assert_eq!(
-        vm.host().take_logs(),
-        vec![(Level::Debug, format!("cannot set {OUTCOME_PROPERTY}: NotFound"))]
-    );
+fn the_outcome_and_a_refusals_instance_go_to_their_streams_filter_state() {
+    let outcome = || Command::Outcome { stream: 7, outcome: "replayed" };
+    let instance = || Command::Instance { stream: 7, instance: "urn:uuid:i".into() };
+    for (command, property, value) in
+        [(outcome(), OUTCOME_PROPERTY, &b"replayed"[..]), (instance(), INSTANCE_PROPERTY, b"urn:uuid:i")]
+    {
+        let vm = vm();
+        assert_eq!(vm.carry_out(command.clone()), None);
+        assert_eq!(
+            vm.host().take_calls(),
+            vec![
+                HostCall::SetEffectiveContext(7),
+                HostCall::SetProperty { path: vec![property.into()], value: value.to_vec() },
+            ]
+        );
+        vm.host().fail(|c| matches!(c, HostCall::SetProperty { .. }), NOT_FOUND);
+        vm.carry_out(command);
+        assert_eq!(vm.host().take_logs(), vec![(Level::Debug, format!("cannot set {property}: NotFound"))]);
+    }
 }
 
 #[test]
