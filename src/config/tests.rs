@@ -161,7 +161,7 @@ fn errors_name_the_key_and_range() {
         (r#"{"store_cluster":"s","mismatch_status":400}"#, "mismatch_status"),
         (r#"{"store_cluster":"s","mismatch_status":"409"}"#, "mismatch_status"),
         (r#"{"store_cluster":"s","mismatch_status":422.5}"#, "mismatch_status"),
-        (r#"{"store_cluster":"s","routes":{"r":{"mismatch_status":200}}}"#, "mismatch_status"),
+        (r#"{"store_cluster":"s","routes":{"r":{"mismatch_status":200}}}"#, "routes.r.mismatch_status"),
         (r#"{"store_cluster":"s","subject":"ip"}"#, "subject"),
         (r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f"}}}"#, "subject.metadata.path"),
         (r#"{"store_cluster":"s","subject":{"metadata":{"filter":"f","path":[]}}}"#, "subject.metadata.path"),
