@@ -27,7 +27,7 @@ import h2.errors
 import pytest
 
 from support import harness as h
-from support.checks import PANIC, REPLAY
+from support.checks import PANIC, REPLAY, assert_problem
 from support.h2client import H2Client
 from support.stack import plugin_config
 
@@ -123,11 +123,7 @@ def uniq(route_name: str) -> str:
 
 
 def outcome_unknown(resp: h.Response) -> dict:
-    assert resp.status == 409, resp
-    doc = json.loads(resp.body)
-    assert doc["code"] == "outcome-unknown", doc
-    assert resp.header(REPLAY) is None, resp
-    return doc
+    return assert_problem(resp, 409, code="outcome-unknown")
 
 
 def wait_committed(world: World, key: str, route_name: str) -> None:

@@ -215,7 +215,7 @@ def test_missing_id_is_rejected_or_passed(inbox, fmt):
     before = inbox.app.count("")[1]
     rejected = inbox.counter("rejected")
     resp = h.request(inbox.port(reject), "POST", PATH, body, headers)
-    doc = assert_problem(resp, 400)
+    doc = assert_problem(resp, 400, code="missing-message-id")
     assert doc["type"].endswith("/missing-message-id"), doc
     assert inbox.counter("rejected") == rejected + 1
     assert inbox.app.count("")[1] == before, "a rejected delivery reached the app"
@@ -234,7 +234,7 @@ def test_malformed_ids_are_rejected_even_with_pass(inbox, fmt):
     long_id = "L" * 256
     for bad in ["", long_id]:
         resp = deliver(inbox.port(passing), fmt, Event(bad))
-        doc = assert_problem(resp, 400, raw_key=bad or None)
+        doc = assert_problem(resp, 400, raw_key=bad or None, code="invalid-message-id")
         assert doc["type"].endswith("/invalid-message-id"), doc
     assert inbox.app.count(long_id) == (0, 0)
 
@@ -298,7 +298,7 @@ def test_duplicate_past_the_lock_wait_gets_409_then_replays(inbox):
     t, out = h.in_thread(lambda: deliver(port, "binary", ev))
     h.wait_for(lambda: inbox.app.count(ev.id)[1] == 1, "the first delivery reaches the app", timeout=5)
     dup = deliver(port, "binary", ev, attempt=2)
-    doc = assert_problem(dup, 409)
+    doc = assert_problem(dup, 409, code="message-in-flight")
     assert doc["type"].endswith("/message-in-flight"), doc
     # The holder's lock (TTL 30 s, taken under a second ago) in whole seconds, from idemstore.
     assert dup.header("retry-after") in ("29", "30"), dup

@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
 
-from .harness import Response
+from .harness import ROOT, Response
 
 REPLAY = "x-idempotent-replay"
+
+# A problem's `instance`: `urn:uuid:` and a version-4 UUID the filter makes per occurrence
+# (src/request/problem/instance.rs), never anything the client sent.
+INSTANCE = re.compile(r"^urn:uuid:[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+# The same, inside a log line or a gRPC message.
+INSTANCE_IN_TEXT = re.compile(r"urn:uuid:[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+PROBLEMS_DOC = ROOT / "docs" / "configuration.md"
+
+
+@functools.cache
+def documented_problems() -> dict[str, tuple[int | None, bool]]:
+    """`code` -> (HTTP status, `retryable`), read from the table of docs/configuration.md's
+    `## Problems` section (rows `| `code` | 422 (or ...) | `false` | ... |`; the status `None`
+    for a code only gRPC calls get, `- (gRPC only)`): what clients are told, so that a problem
+    saying otherwise fails the test that got it."""
+    text = PROBLEMS_DOC.read_text()
+    start = text.index("\n## Problems\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start:end if end != -1 else len(text)]
+    rows = re.findall(r"^\| `([a-z-]+)` \| (\d{3}|-)(?: [^|]*)? \| `(true|false)` \|", section, re.MULTILINE)
+    table = {code: (None if status == "-" else int(status), value == "true") for code, status, value in rows}
+    assert len(table) == len(rows) and len(table) >= 10, f"{PROBLEMS_DOC}: the Problems table reads as {rows}"
+    return table
+
+
+def documented(code: str) -> tuple[int | None, bool]:
+    """The documented (status, retryable) of `code`; a code missing from the table fails."""
+    table = documented_problems()
+    assert code in table, f"problem code {code!r} is not in the table of {PROBLEMS_DOC} (## Problems): {sorted(table)}"
+    return table[code]
+
+
+def retryable_of(code: str) -> bool:
+    return documented(code)[1]
+
 
 # A wasm panic or trap in an Envoy log line.
 PANIC = re.compile(r"panicked at|Uncaught RuntimeError|wasm trap|Function: proxy_on_\w+ failed|VM is in a failed state",
@@ -39,7 +75,8 @@ def log_panics(paths: list[Path]) -> list[str]:
 def assert_problem(resp: Response, status: int, raw_key: str | bytes | None = None,
                    code: str | None = None) -> dict:
     """An RFC 9457 problem produced by the filter: status, content type, type/title/status/detail
-    and the stable `code` member (a non-empty string; equal to `code` when given)."""
+    and the stable `code` member (a non-empty string; equal to `code` when given), `instance`
+    (a `urn:uuid:` of this occurrence) and `retryable` (the documented value for the code)."""
     assert resp.status == status, resp
     ctype = resp.header("content-type") or ""
     assert ctype.split(";")[0].strip().lower() == "application/problem+json", resp
@@ -50,11 +87,26 @@ def assert_problem(resp: Response, status: int, raw_key: str | bytes | None = No
     if code is not None:
         assert doc["code"] == code, (code, resp)
     assert doc.get("status") == status, resp
+    assert isinstance(doc.get("instance"), str) and INSTANCE.match(doc["instance"]), ("instance", resp)
+    assert doc.get("retryable") is retryable_of(doc["code"]), ("retryable", resp)
     assert resp.header(REPLAY) is None, resp
     if raw_key:
         raw = raw_key if isinstance(raw_key, bytes) else raw_key.encode()
         assert raw not in resp.body, f"problem body echoes the raw key: {resp}"
     return doc
+
+
+def assert_grpc_problem(details: str | None, code: str) -> str:
+    """A gRPC refusal's message (`grpc-message`, as the client decodes it: percent-decoded):
+    `<code>: <detail> (instance urn:uuid:...)`, the code given and the detail non-empty.
+    Returns the instance."""
+    assert details, f"no grpc-message: {details!r}"
+    prefix = f"{code}: "
+    assert details.startswith(prefix), (code, details)
+    m = re.fullmatch(r"(.+) \(instance (" + INSTANCE_IN_TEXT.pattern + r")\)", details[len(prefix):], re.DOTALL)
+    assert m and m.group(1).strip(), f"no ` (instance urn:uuid:...)` after the detail: {details!r}"
+    retryable_of(code)  # a code the documentation lists
+    return m.group(2)
 
 
 def assert_executed(resp: Response, status: int = 201) -> dict | None:
