@@ -256,6 +256,7 @@ fn hop() -> Command {
         body_len: 5,
         fallback: response(503),
         instance: "urn:uuid:i".into(),
+        refusal: "request r key k: refused replay-failed (grpc-status 14), instance urn:uuid:i".into(),
     }
 }
 
@@ -292,7 +293,10 @@ fn a_hop_step_that_fails_answers_the_fallback_and_never_resumes() {
         expected.push(HostCall::SetProperty { path: vec![INSTANCE_PROPERTY.into()], value: b"urn:uuid:i".to_vec() });
         expected.push(HostCall::SendLocalResponse { status: 503, headers: fallback.headers, body: None });
         assert_eq!(vm.host().take_calls(), expected, "{name}");
-        let line = format!("cannot re-route a gRPC replay ({name}): refused replay-failed, instance urn:uuid:i");
+        let line = format!(
+            "cannot re-route a gRPC replay ({name}): request r key k: refused replay-failed (grpc-status 14), \
+             instance urn:uuid:i"
+        );
         assert_eq!(vm.host().take_logs(), vec![warn(&line)]);
     }
 
@@ -306,7 +310,10 @@ fn a_hop_step_that_fails_answers_the_fallback_and_never_resumes() {
     assert_eq!(
         vm.host().take_logs(),
         vec![
-            warn("cannot re-route a gRPC replay (clearing the route): refused replay-failed, instance urn:uuid:i"),
+            warn(
+                "cannot re-route a gRPC replay (clearing the route): request r key k: refused replay-failed \
+                 (grpc-status 14), instance urn:uuid:i"
+            ),
             warn("cannot send local response: NotFound"),
         ]
     );

@@ -136,8 +136,8 @@ impl<H: HostCalls> Vm<H> {
         match command {
             Command::Respond { stream, response } => return self.respond(stream, &response),
             Command::Resume { stream } => self.resume(stream),
-            Command::Hop { stream, record, body_len, fallback, instance } => {
-                self.hop(stream, &record, body_len, &fallback, &instance);
+            Command::Hop { stream, record, body_len, fallback, instance, refusal } => {
+                self.hop(stream, &record, body_len, &fallback, &instance, &refusal);
             }
             Command::SetResponseHeader { name, value, .. } => {
                 self.set_header(Map::ResponseHeaders, &name, Some(&value), Level::Warn);
@@ -191,16 +191,13 @@ impl<H: HostCalls> Vm<H> {
 
     /// The second hop of a gRPC replay (see `request::machine::hop`), or `fallback` if a step
     /// fails: the request never goes on as it is.
-    fn hop(&self, stream: u32, record: &[u8], body_len: usize, fallback: &LocalResponse, instance: &str) {
+    fn hop(&self, stream: u32, record: &[u8], body_len: usize, fallback: &LocalResponse, instance: &str, refusal: &str) {
         // Never another stream's body: a stream Envoy no longer knows needs nothing.
         if self.host.set_effective_context(stream).is_err() {
             return;
         }
         let Err(step) = self.hop_steps(record, body_len) else { return };
-        self.log(
-            Level::Warn,
-            format_args!("cannot re-route a gRPC replay ({step}): refused replay-failed, instance {instance}"),
-        );
+        self.log(Level::Warn, format_args!("cannot re-route a gRPC replay ({step}): {refusal}"));
         self.set_instance(instance);
         let reply = LocalReply { status: fallback.status, headers: &fallback.headers, body: None };
         if let Err(s) = self.host.send_local_response(reply) {

@@ -31,13 +31,15 @@ pub enum Command {
     /// A gRPC replay's second hop: mark the paused request with `grpc::HOP_HEADER` and the
     /// record content type, replace its body (`body_len` bytes) with `record`, clear the route
     /// cache and resume it. If any step fails, answer `fallback` instead (a problem with this
-    /// `instance`, for the log line): the request must never go on as it is.
+    /// `instance`, set as for [`Command::Instance`], and `refusal`, its log line): the request
+    /// must never go on as it is.
     Hop {
         stream: u32,
         record: Vec<u8>,
         body_len: usize,
         fallback: LocalResponse,
         instance: String,
+        refusal: String,
     },
     /// Only in the stream's own response-headers callback (the replay listener).
     RemoveResponseHeader {

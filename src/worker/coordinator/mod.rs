@@ -323,8 +323,9 @@ impl Coordinator {
         self.callback = Callback::Stream;
         self.hop_wake = false;
         for hop in std::mem::take(&mut self.hops) {
-            if let Command::Hop { stream, fallback, instance, .. } = hop {
-                log::warn!("cannot wake the root to re-route a gRPC replay: refused replay-failed, instance {instance}");
+            if let Command::Hop { stream, fallback, instance, refusal, .. } = hop {
+                log::warn!("cannot wake the root to re-route a gRPC replay: {refusal}");
+                self.commands.push_back(Command::Instance { stream, instance });
                 self.commands.push_back(Command::Respond { stream, response: fallback });
             }
         }
@@ -390,17 +391,18 @@ impl Coordinator {
                     let instance = self.instances.mint();
                     let grpc = self.streams.get(&stream).is_some_and(|e| e.machine.is_grpc());
                     let response = problem.answer(grpc, &instance);
-                    self.log_refusal(stream, &problem, response.status, &instance);
+                    self.log_refusal(stream, &problem, &response, &instance);
                     self.commands.push_back(Command::Instance { stream, instance });
                     self.respond(stream, response);
                 }
                 Effect::Resume if alive => self.commands.push_back(Command::Resume { stream }),
                 Effect::Hop { record, body_len, fallback } if alive => {
-                    // Sent only if the hop fails, and then not in the access log (which says
-                    // the request was replayed): the log line names it.
+                    // Used only if the hop fails: the host then sets the instance, logs the
+                    // refusal and sends it.
                     let instance = self.instances.mint();
-                    let fallback = fallback.answer(true, &instance);
-                    let hop = Command::Hop { stream, record, body_len, fallback, instance };
+                    let response = fallback.answer(true, &instance);
+                    let refusal = self.refusal_line(stream, &fallback, &response, &instance);
+                    let hop = Command::Hop { stream, record, body_len, fallback: response, instance, refusal };
                     if self.callback == Callback::Root {
                         self.commands.push_back(hop);
                     } else {
@@ -470,18 +472,21 @@ impl Coordinator {
 
     /// One line per refusal, with the `instance` the client and the access log see: what
     /// support searches for when a client quotes the problem.
-    fn log_refusal(&self, stream: u32, problem: &Problem, status: u32, instance: &str) {
+    fn log_refusal(&self, stream: u32, problem: &Problem, response: &LocalResponse, instance: &str) {
+        log::info!("{}", self.refusal_line(stream, problem, response, instance));
+    }
+
+    /// `request <id> key <prefix>: refused <code> (<status>), instance <uri>`.
+    fn refusal_line(&self, stream: u32, problem: &Problem, response: &LocalResponse, instance: &str) -> String {
         let entry = self.streams.get(&stream);
         let key = entry.and_then(|e| e.key_prefix.as_deref()).unwrap_or("-");
         let request = entry.and_then(|e| e.request_id.as_deref()).unwrap_or("-");
         let code = problem.code.name();
-        match (status, problem.status) {
-            (200, _) | (_, None) => {
-                let grpc = problem.grpc_status;
-                log::info!("request {request} key {key}: refused {code} (grpc-status {grpc}), instance {instance}");
-            }
-            _ => log::info!("request {request} key {key}: refused {code} ({status}), instance {instance}"),
-        }
+        let status = match response.headers.iter().find(|(n, _)| n == "grpc-status") {
+            Some((_, grpc)) => format!("grpc-status {grpc}"),
+            None => response.status.to_string(),
+        };
+        format!("request {request} key {key}: refused {code} ({status}), instance {instance}")
     }
 
     /// A first try on behalf of `stream`.
