@@ -290,7 +290,10 @@ fn a_hop_step_that_fails_answers_the_fallback_and_never_resumes() {
         let mut expected = vec![HostCall::SetEffectiveContext(7)];
         expected.extend(steps[..=i].iter().cloned());
         let fallback = response(503);
-        expected.push(HostCall::SetProperty { path: vec![INSTANCE_PROPERTY.into()], value: b"urn:uuid:i".to_vec() });
+        expected.push(HostCall::SetProperty {
+            path: vec![INSTANCE_PROPERTY.into()],
+            value: b"urn:uuid:i".to_vec(),
+        });
         expected.push(HostCall::SendLocalResponse { status: 503, headers: fallback.headers, body: None });
         assert_eq!(vm.host().take_calls(), expected, "{name}");
         let line = format!(

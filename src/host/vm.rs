@@ -191,7 +191,15 @@ impl<H: HostCalls> Vm<H> {
 
     /// The second hop of a gRPC replay (see `request::machine::hop`), or `fallback` if a step
     /// fails: the request never goes on as it is.
-    fn hop(&self, stream: u32, record: &[u8], body_len: usize, fallback: &LocalResponse, instance: &str, refusal: &str) {
+    fn hop(
+        &self,
+        stream: u32,
+        record: &[u8],
+        body_len: usize,
+        fallback: &LocalResponse,
+        instance: &str,
+        refusal: &str,
+    ) {
         // Never another stream's body: a stream Envoy no longer knows needs nothing.
         if self.host.set_effective_context(stream).is_err() {
             return;

@@ -28,7 +28,10 @@ pub fn answer(
     if let Some(status) = cfg.inbox().and_then(|i| i.duplicate_status) {
         let mut headers = vec![replayed];
         headers.extend(expiry);
-        return (Ok(LocalResponse { status: u32::from(status), headers, body: Vec::new() }), Metric::Replayed);
+        return (
+            Ok(LocalResponse { status: u32::from(status), headers, body: Vec::new() }),
+            Metric::Replayed,
+        );
     }
     if let Some(refusal) = made_for_another(cfg, &record, print) {
         return (Err(refusal), Metric::Mismatched);
@@ -164,7 +167,11 @@ mod tests {
         for accept in [vec![], vec![b"br".to_vec()], vec![b"gzip;q=0".to_vec()]] {
             let (r, m) = answer(&cfg(""), rec(), Some(&print(1)), &accept);
             let p = r.unwrap_err();
-            assert_eq!((p.code, p.status, m), (Code::EncodingNotAcceptable, Some(406), Metric::Rejected), "{accept:?}");
+            assert_eq!(
+                (p.code, p.status, m),
+                (Code::EncodingNotAcceptable, Some(406), Metric::Rejected),
+                "{accept:?}"
+            );
         }
         // A mismatch is said first: the stored bytes are not this request's either way.
         assert_eq!(answer(&cfg(""), rec(), Some(&print(2)), &[]).0.unwrap_err().code, Code::KeyReused);

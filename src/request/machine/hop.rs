@@ -18,7 +18,10 @@ impl Machine {
         if record.trailers.is_none() {
             // An HTTP answer under this key (the same path, posted without gRPC).
             let detail = "This Idempotency-Key was already used with a request that was not a gRPC call.";
-            return vec![Effect::Refuse(problem::reused(&self.cfg, detail)), Effect::Count(Metric::Mismatched)];
+            return vec![
+                Effect::Refuse(problem::reused(&self.cfg, detail)),
+                Effect::Count(Metric::Mismatched),
+            ];
         }
         vec![self.grpc_answer(record, true), Effect::Count(Metric::Replayed)]
     }

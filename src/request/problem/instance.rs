@@ -28,7 +28,10 @@ impl Instances {
 
     pub fn mint(&mut self) -> String {
         self.count = self.count.wrapping_add(1);
-        let digest = Sha256::new().chain_update(self.seed.to_be_bytes()).chain_update(self.count.to_be_bytes()).finalize();
+        let digest = Sha256::new()
+            .chain_update(self.seed.to_be_bytes())
+            .chain_update(self.count.to_be_bytes())
+            .finalize();
         let mut bytes = [0u8; 16];
         bytes.copy_from_slice(&digest[..16]);
         uuid_urn(bytes)

@@ -220,7 +220,9 @@ pub fn body_too_large(cfg: &Config) -> Problem {
 /// `mismatch_status`.
 pub fn key_reused(cfg: &Config, what: &Differs) -> Problem {
     let (differs, header, detail) = match what {
-        Differs::Body => ("body", None, "This Idempotency-Key was already used with a different request body.".to_string()),
+        Differs::Body => {
+            ("body", None, "This Idempotency-Key was already used with a different request body.".to_string())
+        }
         Differs::Target => (
             "target",
             None,
@@ -268,7 +270,11 @@ pub fn encoding_not_acceptable(cfg: &Config, coding: &str) -> Problem {
 }
 
 pub fn upstream_failed(cfg: &Config) -> Problem {
-    Problem::new(cfg, Code::UpstreamFailed, "The upstream reset or refused the request; retry with the same key.")
+    Problem::new(
+        cfg,
+        Code::UpstreamFailed,
+        "The upstream reset or refused the request; retry with the same key.",
+    )
 }
 
 /// A detached execution's upstream outlasted the route's `detached_timeout_ms`.

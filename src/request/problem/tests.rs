@@ -136,7 +136,10 @@ fn key_reused_says_what_differed_with_the_mismatch_status() {
 
     let conflict = with(r#","mismatch_status":409"#);
     let r = http(&key_reused(&conflict, &Differs::Body));
-    assert_eq!((r.status, doc(&r)["status"].as_u64(), doc(&r)["code"].as_str()), (409, Some(409), Some("key-reused")));
+    assert_eq!(
+        (r.status, doc(&r)["status"].as_u64(), doc(&r)["code"].as_str()),
+        (409, Some(409), Some("key-reused"))
+    );
     assert_eq!(doc(&r)["retryable"], false);
     let g = key_reused(&conflict, &Differs::Body).answer(true, INSTANCE);
     assert_eq!(header(&g, "grpc-status"), Some("9"), "gRPC unchanged");
@@ -197,8 +200,18 @@ fn the_docs_tables_are_the_code_table() {
         if row.len() < 6 || !matches!(row[3].as_str(), "`true`" | "`false`") {
             continue;
         }
-        assert_eq!(first_number(&row[2]), code.status(), "docs/configuration.md: the status of {}", code.name());
-        assert_eq!(row[3], format!("`{}`", code.retryable()), "docs/configuration.md: {} retryable", code.name());
+        assert_eq!(
+            first_number(&row[2]),
+            code.status(),
+            "docs/configuration.md: the status of {}",
+            code.name()
+        );
+        assert_eq!(
+            row[3],
+            format!("`{}`", code.retryable()),
+            "docs/configuration.md: {} retryable",
+            code.name()
+        );
         assert!(documented.insert(code), "docs/configuration.md: two rows for {}", code.name());
     }
     let missing: Vec<&str> = Code::ALL.iter().filter(|c| !documented.contains(c)).map(|c| c.name()).collect();
@@ -208,7 +221,8 @@ fn the_docs_tables_are_the_code_table() {
     let mut in_grpc = HashSet::new();
     for line in grpc_doc.lines().filter(|l| l.starts_with('|')) {
         let row = cells(line);
-        let Some(name) = row.get(4).and_then(|c| c.strip_prefix('`')).and_then(|c| c.strip_suffix(":`")) else {
+        let Some(name) = row.get(4).and_then(|c| c.strip_prefix('`')).and_then(|c| c.strip_suffix(":`"))
+        else {
             continue;
         };
         let grpc_status = row[3].split(['(', ')']).nth(1).and_then(|n| n.parse::<u8>().ok());

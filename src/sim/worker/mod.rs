@@ -663,7 +663,11 @@ impl World {
                     }
                     self.tally.replays += 1;
                 }
-                if response.headers.iter().any(|(n, v)| n == "content-type" && v == "application/problem+json") {
+                if response
+                    .headers
+                    .iter()
+                    .any(|(n, v)| n == "content-type" && v == "application/problem+json")
+                {
                     let problem: Option<serde_json::Value> = serde_json::from_slice(&response.body).ok();
                     let instance = problem.as_ref().and_then(|p| p.get("instance")).and_then(|i| i.as_str());
                     if instance.is_none() || instance != self.instances.get(&stream).map(String::as_str) {

@@ -402,7 +402,8 @@ impl Coordinator {
                     let instance = self.instances.mint();
                     let response = fallback.answer(true, &instance);
                     let refusal = self.refusal_line(stream, &fallback, &response, &instance);
-                    let hop = Command::Hop { stream, record, body_len, fallback: response, instance, refusal };
+                    let hop =
+                        Command::Hop { stream, record, body_len, fallback: response, instance, refusal };
                     if self.callback == Callback::Root {
                         self.commands.push_back(hop);
                     } else {
@@ -477,7 +478,13 @@ impl Coordinator {
     }
 
     /// `request <id> key <prefix>: refused <code> (<status>), instance <uri>`.
-    fn refusal_line(&self, stream: u32, problem: &Problem, response: &LocalResponse, instance: &str) -> String {
+    fn refusal_line(
+        &self,
+        stream: u32,
+        problem: &Problem,
+        response: &LocalResponse,
+        instance: &str,
+    ) -> String {
         let entry = self.streams.get(&stream);
         let key = entry.and_then(|e| e.key_prefix.as_deref()).unwrap_or("-");
         let request = entry.and_then(|e| e.request_id.as_deref()).unwrap_or("-");

@@ -668,13 +668,17 @@ fn a_refusal_gets_an_instance_of_its_own_in_the_filter_state_and_the_answer() {
         v.req("x-request-id", "same-id-twice");
         c.on_stream_event(id, &v, &clock, |s, v| s.on_request_headers(v, false));
         let commands = drain(&mut c);
-        let [Command::Instance { stream, instance }, Command::Respond { response, .. }, ..] = commands.as_slice()
+        let [Command::Instance { stream, instance }, Command::Respond { response, .. }, ..] =
+            commands.as_slice()
         else {
             panic!("{commands:?}")
         };
         assert_eq!(*stream, id);
         let doc: serde_json::Value = serde_json::from_slice(&response.body).unwrap();
-        assert_eq!((doc["code"].as_str(), doc["instance"].as_str()), (Some("missing-key"), Some(instance.as_str())));
+        assert_eq!(
+            (doc["code"].as_str(), doc["instance"].as_str()),
+            (Some("missing-key"), Some(instance.as_str()))
+        );
         assert_eq!(doc["retryable"], false);
         instances.push(instance.clone());
     }
@@ -685,11 +689,13 @@ fn a_refusal_gets_an_instance_of_its_own_in_the_filter_state_and_the_answer() {
     v.req("content-type", "application/grpc").req(":path", "/shop.v1.Orders/Create");
     c.on_stream_event(3, &v, &clock, |s, v| s.on_request_headers(v, false));
     let commands = drain(&mut c);
-    let [Command::Instance { instance, .. }, Command::Respond { response, .. }, ..] = commands.as_slice() else {
+    let [Command::Instance { instance, .. }, Command::Respond { response, .. }, ..] = commands.as_slice()
+    else {
         panic!("{commands:?}")
     };
     let message = response.headers.iter().find(|(n, _)| n == "grpc-message").map(|(_, v)| v.as_str());
-    let expected = format!("missing-key: This request must carry an Idempotency-Key header. (instance {instance})");
+    let expected =
+        format!("missing-key: This request must carry an Idempotency-Key header. (instance {instance})");
     assert_eq!(message, Some(crate::http::grpc::percent_encode(&expected).as_str()));
     assert!(!instances.contains(instance));
 }

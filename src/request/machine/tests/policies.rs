@@ -26,7 +26,10 @@ fn each_route_goes_by_its_own_policy() {
     let mut payments = Machine::new(cfg(ROUTES));
     let step = payments.on_request_headers(&on_route("payments", None), true);
     assert_eq!(respond_status(&step.effects), Some(400), "payments requires a key");
-    assert_eq!(header(&step.effects, "link").as_deref(), Some(r#"<https://api.example.com/idem>; rel="describedby""#));
+    assert_eq!(
+        header(&step.effects, "link").as_deref(),
+        Some(r#"<https://api.example.com/idem>; rel="describedby""#)
+    );
     let mut orders = Machine::new(cfg(ROUTES));
     let step = orders.on_request_headers(&on_route("orders", None), true);
     assert_eq!(step, Step::go(vec![Effect::Count(Metric::Passthrough)]), "orders: the defaults");
