@@ -98,8 +98,11 @@ def test_a_store_stream_that_misbehaves_costs_each_request_no_more_than_its_time
     opened = envoy.counter("store_streams_opened")
     resets = envoy.counter("store_stream_resets")
     if mode == "silent":
-        # Each waits its deadline (the stream is open, nothing answers), no longer.
-        assert holds[0] >= bound - 0.02 and holds[-1] < bound + 0.3, holds
+        # Each waits its deadline (the stream is open, nothing answers), no longer. One sent on a
+        # silent stream just before the tick that retires it fails at once when the stream is
+        # reset (seen under the full suite's load), which only makes it cheaper.
+        waited = [t for t in holds if t >= bound - 0.02]
+        assert len(waited) >= len(holds) - 2 and holds[-1] < bound + 0.3, holds
         assert resets >= 1, (opened, resets)
     else:
         # At once: a reset or garbage fails the calls on the stream, and reopening backs off.
