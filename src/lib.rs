@@ -9,7 +9,7 @@
 //!   what is kept, replays, problems, inbox ids, detached execution) and what it counts.
 //! * [`worker`]: the per-worker coordinator: the streams of one VM, the callouts they start, and
 //!   who answers a store call (record cache, breaker, local fallback, the network).
-//! * `host` (wasm32 only): the proxy-wasm glue, the only code that talks to Envoy.
+//! * `host`: the glue to Envoy, the only code that talks to it; a folder per host (`wasm`: proxy-wasm).
 //!
 //! Everything but `host` is pure and unit-tested natively; of `host`, the unit tests build the
 //! part that carries out the coordinator's commands, over a fake host. `sim` (tests and the

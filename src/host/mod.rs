@@ -1,18 +1,18 @@
-//! The proxy-wasm glue: the only module that talks to Envoy. It turns Envoy's callbacks into
+//! The glue to Envoy: the only module that talks to it. It turns Envoy's callbacks into
 //! [`Coordinator`] events and carries out the [`Command`]s that come back; every decision is in
-//! the coordinator and the per-request machines behind it.
+//! the coordinator and the per-request machines behind it. One folder per host; what they share
+//! is here.
 //!
-//! * `contexts`: the root and stream contexts, Envoy's callbacks (wasm32 only).
-//! * `vm`: one VM's coordinator, and a function per command that carries it out.
-//! * `calls`: the host calls those functions make, behind [`calls::HostCalls`]; `envoy`
-//!   implements it over proxy-wasm (wasm32 only), `fake` records the calls for the unit tests
-//!   and fails the ones it is told to.
-//! * `abi` (the proxy-wasm calls without the SDK's panics) and `env` (what the core reads from
-//!   Envoy), wasm32 only.
+//! * `vm`: one worker's coordinator, and a function per command that carries it out.
+//! * `calls`: the host calls those functions make, behind [`calls::HostCalls`]; each host
+//!   implements it, and `fake` records the calls for the unit tests and fails the ones it is
+//!   told to.
+//! * `wasm` (wasm32 only): the proxy-wasm host: the root and stream contexts, `HostCalls` over
+//!   proxy-wasm, what the core reads from Envoy.
 //!
-//! Only calls that return `Result` are used: the SDK's trait helpers panic on an unexpected
-//! host status, and a panic traps the VM. Natively (the unit tests) only `calls` and `vm` are
-//! built, over the fake: nothing links proxy-wasm's imports.
+//! Only calls that return `Result` are used: a panic in a host traps the VM (wasm) or aborts
+//! Envoy. Natively (the unit tests) only `calls` and `vm` are built, over the fake: nothing links
+//! a host's imports.
 //!
 //! [`Coordinator`]: crate::worker::coordinator::Coordinator
 //! [`Command`]: crate::worker::command::Command
@@ -21,13 +21,7 @@ mod calls;
 mod vm;
 
 #[cfg(target_arch = "wasm32")]
-mod abi;
-#[cfg(target_arch = "wasm32")]
-mod contexts;
-#[cfg(target_arch = "wasm32")]
-mod env;
-#[cfg(target_arch = "wasm32")]
-mod envoy;
+mod wasm;
 
 #[cfg(test)]
 mod fake;

@@ -8,8 +8,8 @@ use std::fmt;
 use std::time::Duration;
 
 use super::abi;
-use super::calls::{GrpcStream, HostCalls, HttpCall, LocalReply, Map, MetricKind, Status};
 use super::env::HostEnv;
+use crate::host::calls::{GrpcStream, HostCalls, HttpCall, LocalReply, Map, MetricKind, Status};
 use crate::worker::env::Env;
 
 /// Envoy, through proxy-wasm.

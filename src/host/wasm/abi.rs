@@ -12,7 +12,7 @@
 use proxy_wasm::types::{BufferType, MapType};
 use std::ptr::{null, null_mut};
 
-use super::calls::Status;
+use crate::host::calls::Status;
 
 type Bytes = Vec<u8>;
 
