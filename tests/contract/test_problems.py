@@ -39,6 +39,7 @@ import pytest
 
 from support import grpc_app as g
 from support import harness as h
+from support import idemstore_metrics as m
 from support.checks import (INSTANCE, assert_executed, assert_grpc_problem, assert_problem, assert_replay_of,
                             documented, documented_problems)
 from support.harness import new_key
@@ -78,6 +79,7 @@ class Problems:
     shipped: h.Envoy
     upstream: h.Upstream
     orders: g.OrdersServer
+    store_port: int
 
     def post(self, listener: str, path: str, body: bytes | str = b"{}", key: str | None = None,
              headers: list | None = None, **kw) -> h.Response:
@@ -136,7 +138,7 @@ def problems(run_dir, artifacts, upstream) -> Problems:
             p.stop()
         orders.stop()
         pytest.fail(str(e), pytrace=False)
-    yield Problems(envoy, shipped, upstream, orders)
+    yield Problems(envoy, shipped, upstream, orders, sport)
     for p in reversed(started):
         p.stop()
     orders.stop()
@@ -489,6 +491,7 @@ def _outcome_unknown(p: Problems):
     """The client hangs up while the upstream runs: the key is in doubt, its retry is refused."""
     key, path = new_key("doubt"), uniq("/orders")
     in_doubt = p.envoy.counter("in_doubt")
+    releases = m.scrape(p.store_port).get("idemstore_in_doubt_releases_total")
     sock = socket.create_connection((h.LOOPBACK, p.envoy.port("api")))
     try:
         sock.sendall((f"POST {path} HTTP/1.1\r\nhost: x\r\nIdempotency-Key: {key}\r\ncontent-type: application/json\r\n"
@@ -497,6 +500,10 @@ def _outcome_unknown(p: Problems):
     finally:
         sock.close()
     assert p.envoy.wait_counter("in_doubt", in_doubt + 1) == in_doubt + 1
+    # The filter counts the attempt in doubt, then releases its lock so: a retry before the store
+    # has that release finds the lock held (409 request-in-flight, seen under load).
+    m.scrape_until(p.store_port, lambda s: s.get("idemstore_in_doubt_releases_total") > releases,
+                   "the store kept the attempt in doubt")
     return p.post("api", path, "{}", key), {"key": key}, 1
 
 
