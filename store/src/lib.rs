@@ -22,7 +22,9 @@
 //!
 //! What a user brings: a tokio runtime (the Redis connections, the wake-up subscription and the
 //! in-memory sweeper are tasks on it), and for idemstore's command line the `clap` feature
-//! ([`backend::access::AccessArgs`] as flags).
+//! ([`backend::access::AccessArgs`] as flags). Log lines go through `tracing` under the targets
+//! idemstore has always logged them under (`idemstore::backend`, `idemstore::backend::pubsub`),
+//! not this crate's module paths: its operators' filters and searches name them.
 
 pub mod backend;
 pub mod store;
