@@ -228,14 +228,18 @@ fmt: rustfmt-component
 	$(CARGO) fmt --manifest-path fuzz/Cargo.toml -- --check
 
 # Bounded so that a hung test fails the run instead of eating CI's time (a cold build included).
-# idemstore's Redis tests start their own redis-server (and redis-cli for the cluster).
+# The workspace's crates: the filter, idem-protocol, idem-store and idemstore. idemstore's Redis
+# tests start their own redis-server (and redis-cli for the cluster).
 unit: redis
 	REDIS_SERVER="$$($(REDIS_FIND))" timeout --kill-after=10 1200 $(CARGO) test --workspace
 
 clippy: clippy-native clippy-wasm
 
+# idem-store (store/) a second time on its own: with the features a host that embeds it builds
+# it with (no `clap`), which the workspace's build never compiles (idemstore turns `clap` on).
 clippy-native: clippy-component
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p idem-store --all-targets -- -D warnings
 
 clippy-wasm: clippy-component wasm-target
 	$(CARGO) clippy -p idempotency-filter --target $(WASM_TARGET) --all-targets -- -D warnings

@@ -67,7 +67,7 @@ impl IntoResponse for Error {
 /// Answers a request refused before the backend, counting it.
 pub(crate) fn refused<B: Backend>(store: &Store<B>, e: Error) -> Response {
     if let Some(reason) = e.rejection() {
-        store.metrics().reject(reason);
+        store.observer().reject(reason);
     }
     e.into_response()
 }

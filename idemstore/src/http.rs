@@ -170,7 +170,7 @@ async fn authorize<B: Backend>(State(gate): State<Gate<B>>, request: Request, ne
     match gate.secret.check(request.headers()) {
         None => next.run(request).await,
         Some(why) => {
-            gate.store.metrics().reject(Rejection::Secret);
+            gate.store.observer().reject(Rejection::Secret);
             gate.secret.refuse(why, path)
         }
     }
@@ -345,7 +345,7 @@ async fn begin<B: Backend>(
         Ok(args) => args,
         Err(e) => return refused(&store, e),
     };
-    let timer = store.metrics().timer(Op::Begin, started);
+    let timer = store.observer().timer(Op::Begin, started);
     let begun = match store
         .begin_with(args.key, args.body_hash, args.lock_ttl, args.wait, args.give_up, args.hold())
         .await
@@ -442,7 +442,7 @@ async fn commit<B: Backend>(
         Ok(args) => args,
         Err(e) => return refused(&store, e),
     };
-    let timer = store.metrics().timer(Op::Commit, started);
+    let timer = store.observer().timer(Op::Commit, started);
     match store.commit(args).await {
         Ok(outcome) => {
             timer.answered(Outcome::Commit(outcome));
@@ -487,11 +487,11 @@ async fn commits<B: Backend>(
         Ok(items) => items,
         Err(why) => return refused(&store, Error::BadRequest(format!("malformed batch: {why}"))),
     };
-    store.metrics().batch(items.len());
+    store.observer().batch(items.len());
     // Every timer is started here, before the first await: a caller gone mid-batch counts
     // each item not yet answered as `cancelled`, as many `commit`s would.
     let pending = items.iter().enumerate().map(|(i, item)| {
-        let timer = store.metrics().timer(Op::Commit, started);
+        let timer = store.observer().timer(Op::Commit, started);
         let (store, record) = (&store, body.slice(item.record.clone()));
         async move {
             match store
@@ -536,9 +536,9 @@ async fn release<B: Backend>(
         Ok(args) => args,
         Err(e) => return refused(&store, e),
     };
-    let timer = store.metrics().timer(Op::Release, started);
+    let timer = store.observer().timer(Op::Release, started);
     if in_doubt {
-        store.metrics().in_doubt_release();
+        store.observer().in_doubt_release();
     }
     match store.release(key, token, in_doubt).await {
         Ok(outcome) => {
@@ -558,7 +558,7 @@ async fn release<B: Backend>(
 /// `PING`, bounded by `--redis-timeout-ms`.
 async fn scrape<B: Backend>(State(store): State<Arc<Store<B>>>) -> Response {
     let backend_up = store.health().await.is_ok();
-    match store.metrics().encode(backend_up, store.backend().usage()) {
+    match store.observer().encode(backend_up, store.backend().usage()) {
         Ok(text) => (
             [
                 (CONTENT_TYPE, HeaderValue::from_static(metrics::CONTENT_TYPE)),

@@ -19,8 +19,9 @@
 //! hot path adds to an atomic (a histogram takes a short mutex), never builds or looks up a
 //! label set, and every series is exported from the start, at zero.
 //!
-//! Uses only [`crate::backend`] (a backend error's reason, the in-memory backend's usage); the
-//! store owns one [`Metrics`], the HTTP layer counts and times requests through it.
+//! Uses only [`crate::backend`] (a backend error's reason, the in-memory backend's usage) and
+//! [`crate::store`]'s [`Observer`] (what the store tells of a `begin`'s wait); the store owns
+//! one [`Metrics`] as its observer, the HTTP layer counts and times requests through it.
 
 use std::time::{Duration, Instant};
 
@@ -32,7 +33,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::backend::{BackendError, Usage};
+use crate::backend::{Backend, BackendError, Usage};
+use crate::store::Observer;
 
 /// `Content-Type` of `/metrics`: `text/plain; version=0.0.4; charset=utf-8`.
 pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
@@ -207,7 +209,7 @@ struct MemoryGauges {
     max_bytes: Gauge,
 }
 
-/// The registry and the handles of every series; one per [`crate::store::Store`].
+/// The registry and the handles of every series; one per [`crate::store::Store`], its observer.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
@@ -389,12 +391,6 @@ impl Metrics {
         self.rejected[reason as usize].inc();
     }
 
-    /// Marks a `begin` as waiting for a held lock until the guard is dropped.
-    pub fn wait(&self) -> Waiting<'_> {
-        self.waiters.inc();
-        Waiting { metrics: self, started: Instant::now() }
-    }
-
     /// The exposition text, with the scrape-time gauges set from `backend_up` and `usage`.
     pub fn encode(&self, backend_up: bool, usage: Option<Usage>) -> Result<String, std::fmt::Error> {
         self.backend_up.set(i64::from(backend_up));
@@ -450,18 +446,21 @@ impl Drop for Timer<'_> {
     }
 }
 
-/// A `begin` waiting for a held lock: counted in `idemstore_waiters` while alive, its wait
-/// observed in `idemstore_begin_wait_seconds` when dropped (answered or abandoned).
-#[derive(Debug)]
-pub struct Waiting<'a> {
-    metrics: &'a Metrics,
-    started: Instant,
-}
+/// A `begin` waiting for a held lock: counted in `idemstore_waiters` while it waits, its wait
+/// observed in `idemstore_begin_wait_seconds` when it ends (answered or abandoned).
+impl Observer for Metrics {
+    /// The in-memory backend's gauges for that backend only.
+    fn for_backend<B: Backend>(backend: &B) -> Self {
+        Self::new(backend.usage().is_some())
+    }
 
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.metrics.waiters.dec();
-        self.metrics.begin_wait.observe(seconds(self.started.elapsed()));
+    fn wait_started(&self) {
+        self.waiters.inc();
+    }
+
+    fn wait_ended(&self, waited: Duration) {
+        self.waiters.dec();
+        self.begin_wait.observe(seconds(waited));
     }
 }
 
@@ -544,10 +543,9 @@ mod tests {
         metrics.in_doubt_release();
         metrics.batch(3);
         metrics.batch(64);
-        {
-            let _waiting = metrics.wait();
-            assert_eq!(metrics.waiters.get(), 1);
-        }
+        metrics.wait_started();
+        assert_eq!(metrics.waiters.get(), 1);
+        metrics.wait_ended(Duration::from_millis(3));
         assert_eq!(metrics.waiters.get(), 0);
         let text = metrics.encode(true, None).unwrap();
         for line in [

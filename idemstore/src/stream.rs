@@ -137,7 +137,7 @@ async fn serve<B: Backend>(store: &Store<B>, call: Call, max_record_bytes: usize
 }
 
 fn bad<B: Backend>(store: &Store<B>, reason: impl Into<String>) -> Failure {
-    store.metrics().reject(Rejection::Invalid);
+    store.observer().reject(Rejection::Invalid);
     Failure { bad_request: true, reason: reason.into() }
 }
 
@@ -176,7 +176,7 @@ async fn begin<B: Backend>(
         supersede: (!b.supersede.is_empty()).then_some(b.supersede.as_str()),
     });
     let give_up = (b.deadline_ms > 0).then(|| give_up_at(b.deadline_ms));
-    let timer = store.metrics().timer(MetricOp::Begin, started);
+    let timer = store.observer().timer(MetricOp::Begin, started);
     let lock_ttl = Duration::from_millis(b.lock_ttl_ms);
     let wait = Duration::from_millis(b.wait_ms);
     let begun = match store.begin_with(&b.key, &b.body_hash, lock_ttl, wait, give_up, hold).await {
@@ -219,10 +219,10 @@ async fn commit<B: Backend>(
     check(store, (1..=proto::MAX_RETENTION_S).contains(&c.retention_s), "retention_s out of range")?;
     check(store, !c.record.is_empty(), "the record must not be empty")?;
     if c.record.len() > max_record_bytes {
-        store.metrics().reject(Rejection::TooLarge);
+        store.observer().reject(Rejection::TooLarge);
         return Err(Failure { bad_request: true, reason: "the record is over --max-body-bytes".into() });
     }
-    let timer = store.metrics().timer(MetricOp::Commit, started);
+    let timer = store.observer().timer(MetricOp::Commit, started);
     let retention = Duration::from_secs(c.retention_s);
     let done = store
         .commit(backend::Commit {
@@ -244,9 +244,9 @@ async fn release<B: Backend>(
 ) -> Result<Outcome, Failure> {
     check(store, proto::is_hex64(r.key.as_bytes()), "key must be 64 lowercase hex characters")?;
     check(store, proto::is_token(r.token.as_bytes()), "token must be a lock token")?;
-    let timer = store.metrics().timer(MetricOp::Release, started);
+    let timer = store.observer().timer(MetricOp::Release, started);
     if r.in_doubt {
-        store.metrics().in_doubt_release();
+        store.observer().in_doubt_release();
     }
     let released = store.release(&r.key, &r.token, r.in_doubt).await;
     let outcome = timed(timer, released, |o| MetricOutcome::Release(*o))?;

@@ -40,6 +40,7 @@ import os
 import re
 import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -1058,7 +1059,8 @@ def test_wasm_dockerfile_layout():
 def test_idemstore_dockerfile_layout():
     """A Rust builder stage that builds idemstore from the workspace, and a runtime stage that
     runs it as a user other than root, listening on 0.0.0.0:8380 (EXPOSE 8380); everything the
-    build copies is in its build context."""
+    build copies is in its build context, every crate of the workspace but the filter's among
+    it (cargo refuses a workspace with a member missing)."""
     ins = instructions(IDEMSTORE_DOCKERFILE)
     froms = [a for i, a in ins if i == "FROM"]
     assert len(froms) >= 2, "multi-stage"
@@ -1079,3 +1081,7 @@ def test_idemstore_dockerfile_layout():
             *sources, _ = a.split()
             for s in sources:
                 assert s in keeps, f"COPY {s}: not in the build context ({keeps})"
+    copied = {s.rstrip("/") for i, a in ins if i == "COPY" and "--from" not in a for s in a.split()[:-1]}
+    members = tomllib.loads((h.ROOT / "Cargo.toml").read_text())["workspace"]["members"]
+    missing = [m for m in members if m != "." and m not in copied]
+    assert not missing, f"workspace members the image build does not copy: {missing}"

@@ -13,8 +13,8 @@ What is checked, in which files:
 - Code comments: `//` comments of Rust, protobuf and JavaScript files; `#` comments and the
   docstrings (a string that is a statement of its own) of Python files; `#` comments of shell
   scripts (and .ci/run), the Makefile, YAML, TOML, Dockerfiles, redis.conf and the fuzz
-  dictionaries; `--` comments of Lua scripts. Under src/, idemstore/, protocol/, fuzz/, tests/,
-  bench/, demo/, envoy/, deploy/, .ci/, and the root Makefile and Cargo.toml.
+  dictionaries; `--` comments of Lua scripts. Under src/, idemstore/, protocol/, store/, fuzz/,
+  tests/, bench/, demo/, envoy/, deploy/, .ci/, and the root Makefile and Cargo.toml.
 
 What a path is:
 
@@ -22,6 +22,7 @@ What a path is:
   (`TOP_DIRS`, `TOP_FILES`), for instance `src/request/keep.rs`, `tests/contract/` or
   `Makefile`: resolved against the repository root, or, in a code comment, against the crate
   root of the file too (in idemstore's comments a path under `src/` may mean idemstore's own);
+  `store/` is idem-store's crate, so the filter's `src/store/` is named with its `src/`;
 - the target of a Markdown link `[text](target)` that is not a URL or a bare anchor: resolved
   against the Markdown file's folder, its `#anchor` stripped;
 - any other file name in backticks with a source file's extension, bare or under folders
@@ -52,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # The repository's top-level entries a path may start with.
-TOP_DIRS = ("src", "idemstore", "protocol", "tests", "docs", "envoy", "deploy", "bench", "demo", "fuzz", ".ci")
+TOP_DIRS = ("src", "idemstore", "protocol", "store", "tests", "docs", "envoy", "deploy", "bench", "demo", "fuzz", ".ci")
 TOP_FILES = ("Makefile", "README.md", "CONTRIBUTING.md", "CHANGELOG.md", "Cargo.toml")
 
 # Paths that are named on purpose but are not in a fresh clone: each is made by a run and
@@ -79,7 +80,7 @@ NOT_OURS = {
 KUBE_COMMAND = re.compile(r"\b(?:kubectl|istioctl)\b")
 
 # Folders (and the files of the root) whose code must not name tracker numbers.
-CODE_DIRS = ("src", "idemstore", "protocol", "fuzz", "tests", "bench", "demo", "envoy", "deploy")
+CODE_DIRS = ("src", "idemstore", "protocol", "store", "fuzz", "tests", "bench", "demo", "envoy", "deploy")
 CODE_ROOT_FILES = ("Makefile",)
 HISTORY = ("bench/RESULTS.md",)  # a report of past runs, with their history: checked by neither test
 TRACKER = re.compile(r"\bissues?[\s#-]*\d+", re.IGNORECASE)

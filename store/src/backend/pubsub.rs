@@ -34,6 +34,10 @@ use super::sentinel::SentinelConnection;
 use super::BackendError;
 use crate::waiters::{RemoteWakeups, Waiters};
 
+/// The target of this module's log lines: idemstore's module path before the backends had a
+/// crate of their own, so that `RUST_LOG` filters and log searches that name it still match.
+const LOG_TARGET: &str = "idemstore::backend::pubsub";
+
 /// The channel the scripts publish store keys on (after `--key-prefix`).
 pub const CHANNEL: &str = "idem:wake";
 
@@ -105,7 +109,7 @@ pub(crate) fn spawn(
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => Some(runtime.spawn(run(nodes, channel, timeout, waiters, status))),
         Err(e) => {
-            tracing::warn!(
+            tracing::warn!(target: LOG_TARGET,
                 error = %e,
                 "no async runtime: wake-ups from other idemstore instances are not subscribed to"
             );
@@ -141,7 +145,7 @@ async fn run(
         match subscribed {
             Ok(pubsub) => {
                 if let Some(since) = outage.take() {
-                    tracing::info!(
+                    tracing::info!(target: LOG_TARGET,
                         after = ?since.elapsed(),
                         "wake-ups from other idemstore instances are heard again"
                     );
@@ -158,7 +162,7 @@ async fn run(
                 let lost = listen(pubsub, &waiters, timeout, moved).await;
                 status.send_modify(|s| s.listening = false);
                 let Some(why) = lost else { return };
-                tracing::warn!(
+                tracing::warn!(target: LOG_TARGET,
                     reason = %why,
                     "lost the Redis subscription to {channel}: until it is back, waiters on \
                      locks held through other idemstore instances notice them finish by \
@@ -176,14 +180,14 @@ async fn run(
             }
             Err(why) => {
                 if outage.is_none() {
-                    tracing::warn!(
+                    tracing::warn!(target: LOG_TARGET,
                         reason = %why,
                         "cannot subscribe to {channel} on Redis: until it works, waiters on locks \
                          held through other idemstore instances notice them finish by re-checking"
                     );
                     outage = Some(Instant::now());
                 } else {
-                    tracing::debug!(reason = %why, "subscribing to {channel} failed again");
+                    tracing::debug!(target: LOG_TARGET, reason = %why, "subscribing to {channel} failed again");
                 }
             }
         }

@@ -5,8 +5,8 @@
 //! missed (the subscription down, the in-memory backend shared by clones in tests) is caught by
 //! the bounded re-check in [`crate::store::Store::begin`].
 //!
-//! Uses no other module of idemstore: the store and the operator's delete route ring it, and
-//! the backends forward other instances' wake-ups to it.
+//! Uses no other module of this crate: the store and the operator's delete route (idemstore's
+//! admin) ring it, and the backends forward other instances' wake-ups to it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

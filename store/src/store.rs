@@ -1,12 +1,14 @@
-//! The protocol's store operations as the HTTP layer calls them: [`Store::begin`] (and
+//! The protocol's store operations as a server's routes call them (idemstore's HTTP layer and
+//! store stream): [`Store::begin`] (and
 //! [`Store::begin_with`]), [`Store::commit`] and [`Store::release`],
 //! plus [`Store::health`], over one backend, with the `begin` long-poll: a lock held elsewhere
 //! is waited on, woken by [`Waiters`] and re-checked with backoff. A `commits` call is one
 //! [`Store::commit`] per item (the HTTP layer's loop); the operator's lookups, deletes and
 //! resolutions go to [`Store::backend`] directly.
 //!
-//! Owns the lock tokens ([`new_token`]), the waiters and the metrics of one instance; uses
-//! [`crate::backend`], [`crate::metrics`] and [`crate::waiters`], never the HTTP layer.
+//! Owns the lock tokens ([`new_token`]) and the waiters of one instance, and tells its
+//! [`Observer`] (idemstore's Prometheus metrics) when a `begin` waits; uses [`crate::backend`]
+//! and [`crate::waiters`], never the HTTP layer.
 
 use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,7 +21,6 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::backend::{Attempt, Backend, Commit, CommitOutcome, Hold, ReleaseOutcome, Result};
-use crate::metrics::Metrics;
 use crate::waiters::{RemoteWakeups, Waiters};
 
 /// First re-check delay for a held lock; doubles up to [`MAX_RECHECK`]. Commits and releases
@@ -56,8 +57,42 @@ pub enum Begin {
     },
 }
 
+/// What a [`Store`] tells its owner about its own work, the part of it no caller sees: idemstore
+/// counts it in its Prometheus metrics (`idemstore_waiters`, `idemstore_begin_wait_seconds`);
+/// [`NoObserver`] for a user that counts nothing. A trait, so that this crate needs no metrics
+/// library and each host keeps its own. The callers count the rest (requests, outcomes, errors)
+/// around their calls, where they see it.
+pub trait Observer {
+    /// The observer of a new store over `backend`, made by [`Store::new`] and
+    /// [`Store::with_recheck`] (idemstore's metrics export the in-memory backend's gauges, for
+    /// that backend only).
+    fn for_backend<B: Backend>(backend: &B) -> Self;
+
+    /// A `begin` found the lock held and waits for it (once per call, whatever its re-checks).
+    fn wait_started(&self);
+
+    /// That wait is over after `waited`: answered, or the call dropped mid-wait.
+    fn wait_ended(&self, waited: Duration);
+}
+
+/// An [`Observer`] that counts nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoObserver;
+
+impl Observer for NoObserver {
+    fn for_backend<B: Backend>(_: &B) -> Self {
+        Self
+    }
+
+    fn wait_started(&self) {}
+
+    fn wait_ended(&self, _: Duration) {}
+}
+
+/// The operations of one instance over its backend `B`, observed by `O`: none by default
+/// (`Store<B>`); idemstore's is `Store<B, Metrics>` (`idemstore::store::Store`).
 #[derive(Debug)]
-pub struct Store<B> {
+pub struct Store<B, O = NoObserver> {
     backend: B,
     waiters: Arc<Waiters>,
     stopping: watch::Sender<bool>,
@@ -67,10 +102,10 @@ pub struct Store<B> {
     remote: watch::Receiver<RemoteWakeups>,
     /// Forwards other instances' wake-ups to `waiters`; aborted with the store.
     remote_task: Option<JoinHandle<()>>,
-    metrics: Metrics,
+    observer: O,
 }
 
-impl<B: Backend> Store<B> {
+impl<B: Backend, O: Observer> Store<B, O> {
     pub fn new(backend: B) -> Self {
         Self::with_recheck(backend, MIN_RECHECK, MAX_RECHECK)
     }
@@ -84,7 +119,7 @@ impl<B: Backend> Store<B> {
         let waiters = Arc::new(Waiters::default());
         let (status, remote) = watch::channel(RemoteWakeups::default());
         let remote_task = backend.spawn_remote_wakeups(Arc::downgrade(&waiters), status);
-        let metrics = Metrics::new(backend.usage().is_some());
+        let observer = O::for_backend(&backend);
         Self {
             backend,
             waiters,
@@ -93,7 +128,7 @@ impl<B: Backend> Store<B> {
             parked: AtomicUsize::new(0),
             remote,
             remote_task,
-            metrics,
+            observer,
         }
     }
 
@@ -101,9 +136,10 @@ impl<B: Backend> Store<B> {
         &self.backend
     }
 
-    /// This store's Prometheus metrics (see [`crate::metrics`]).
-    pub fn metrics(&self) -> &Metrics {
-        &self.metrics
+    /// This store's [`Observer`] (idemstore's: its Prometheus metrics, which its HTTP layer
+    /// counts requests in too).
+    pub fn observer(&self) -> &O {
+        &self.observer
     }
 
     pub fn waiters(&self) -> &Waiters {
@@ -171,7 +207,7 @@ impl<B: Backend> Store<B> {
         let subscription = self.waiters.subscribe(key);
         let mut stopping = self.stopping.subscribe();
         let (mut recheck, max_recheck) = self.recheck;
-        // Set at the first attempt that finds the lock held; counts the wait in the metrics
+        // Set at the first attempt that finds the lock held; the observer counts the wait
         // until this call returns or is dropped.
         let mut waiting = None;
         loop {
@@ -189,7 +225,7 @@ impl<B: Backend> Store<B> {
                 }
                 Attempt::Held { remaining } => remaining,
             };
-            waiting.get_or_insert_with(|| self.metrics.wait());
+            waiting.get_or_insert_with(|| Waiting::new(&self.observer));
             let now = Instant::now();
             // Every pass makes a fresh attempt first, so the deadline and a shutdown both
             // answer with the holder's remaining time as last seen, not a stale one.
@@ -235,11 +271,32 @@ impl<B: Backend> Store<B> {
     }
 }
 
-impl<B> Drop for Store<B> {
+impl<B, O> Drop for Store<B, O> {
     fn drop(&mut self) {
         if let Some(task) = &self.remote_task {
             task.abort();
         }
+    }
+}
+
+/// A `begin` waiting for a held lock, from the first attempt that found it held: told to the
+/// observer when it starts and when it is dropped (answered or abandoned). Timed on `std`'s
+/// clock, as idemstore's metrics always timed it (tokio's differs only when a test pauses it).
+struct Waiting<'a, O: Observer> {
+    observer: &'a O,
+    started: std::time::Instant,
+}
+
+impl<'a, O: Observer> Waiting<'a, O> {
+    fn new(observer: &'a O) -> Self {
+        observer.wait_started();
+        Self { observer, started: std::time::Instant::now() }
+    }
+}
+
+impl<O: Observer> Drop for Waiting<'_, O> {
+    fn drop(&mut self) {
+        self.observer.wait_ended(self.started.elapsed());
     }
 }
 

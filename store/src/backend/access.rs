@@ -19,52 +19,66 @@ pub const SENTINEL_PASSWORD_ENV: &str = "IDEMSTORE_REDIS_SENTINEL_PASSWORD";
 /// The longest `--key-prefix`: a prefix is a namespace, not data.
 const MAX_PREFIX: usize = 64;
 
-/// The Redis access flags, shared by the server and the tools.
-#[derive(Debug, Clone, Default, clap::Args)]
+/// The Redis access flags, shared by the server and the tools (clap's, with the `clap` feature:
+/// idemstore's command line; a host without one fills the fields itself).
+#[derive(Debug, Clone, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct AccessArgs {
     /// CA certificates (PEM) that verify Redis's certificate with rediss:// (default: the
     /// system's roots).
-    #[arg(long, env = "IDEMSTORE_REDIS_CA_FILE", value_name = "PATH")]
+    #[cfg_attr(feature = "clap", arg(long, env = "IDEMSTORE_REDIS_CA_FILE", value_name = "PATH"))]
     pub redis_ca_file: Option<PathBuf>,
 
     /// Client certificate (PEM) for Redis servers that require one (with --redis-key-file).
-    #[arg(long, env = "IDEMSTORE_REDIS_CERT_FILE", value_name = "PATH", requires = "redis_key_file")]
+    #[cfg_attr(
+        feature = "clap",
+        arg(long, env = "IDEMSTORE_REDIS_CERT_FILE", value_name = "PATH", requires = "redis_key_file")
+    )]
     pub redis_cert_file: Option<PathBuf>,
 
     /// The client certificate's private key (PEM).
-    #[arg(long, env = "IDEMSTORE_REDIS_KEY_FILE", value_name = "PATH", requires = "redis_cert_file")]
+    #[cfg_attr(
+        feature = "clap",
+        arg(long, env = "IDEMSTORE_REDIS_KEY_FILE", value_name = "PATH", requires = "redis_cert_file")
+    )]
     pub redis_key_file: Option<PathBuf>,
 
     /// Accept any certificate from Redis, for any name: for a test setup only (logged as a
     /// warning at start).
-    #[arg(long, env = "IDEMSTORE_REDIS_TLS_INSECURE")]
+    #[cfg_attr(feature = "clap", arg(long, env = "IDEMSTORE_REDIS_TLS_INSECURE"))]
     pub redis_tls_insecure: bool,
 
     /// The Redis ACL user (instead of the one in the URL).
-    #[arg(long, env = "IDEMSTORE_REDIS_USERNAME", value_name = "USER")]
+    #[cfg_attr(feature = "clap", arg(long, env = "IDEMSTORE_REDIS_USERNAME", value_name = "USER"))]
     pub redis_username: Option<String>,
 
     /// File holding the Redis user's password (trailing line breaks removed); or set
     /// IDEMSTORE_REDIS_PASSWORD. Never on the command line.
-    #[arg(long, env = "IDEMSTORE_REDIS_PASSWORD_FILE", value_name = "PATH")]
+    #[cfg_attr(feature = "clap", arg(long, env = "IDEMSTORE_REDIS_PASSWORD_FILE", value_name = "PATH"))]
     pub redis_password_file: Option<PathBuf>,
 
     /// With --redis-sentinel: the name of the master the sentinels monitor.
-    #[arg(long, env = "IDEMSTORE_REDIS_SENTINEL_MASTER", value_name = "NAME")]
+    #[cfg_attr(feature = "clap", arg(long, env = "IDEMSTORE_REDIS_SENTINEL_MASTER", value_name = "NAME"))]
     pub redis_sentinel_master: Option<String>,
 
     /// With --redis-sentinel: the sentinels' own ACL user, if they require one.
-    #[arg(long, env = "IDEMSTORE_REDIS_SENTINEL_USERNAME", value_name = "USER")]
+    #[cfg_attr(feature = "clap", arg(long, env = "IDEMSTORE_REDIS_SENTINEL_USERNAME", value_name = "USER"))]
     pub redis_sentinel_username: Option<String>,
 
     /// With --redis-sentinel: file holding the sentinels' own password (their requirepass), if
     /// they require one; or set IDEMSTORE_REDIS_SENTINEL_PASSWORD.
-    #[arg(long, env = "IDEMSTORE_REDIS_SENTINEL_PASSWORD_FILE", value_name = "PATH")]
+    #[cfg_attr(
+        feature = "clap",
+        arg(long, env = "IDEMSTORE_REDIS_SENTINEL_PASSWORD_FILE", value_name = "PATH")
+    )]
     pub redis_sentinel_password_file: Option<PathBuf>,
 
     /// Prefix of every Redis key and of the wake-up channel, so that deployments can share a
     /// Redis (e.g. `shop:`). The tools need the same prefix to find the records.
-    #[arg(long, env = "IDEMSTORE_KEY_PREFIX", value_name = "PREFIX", default_value = "")]
+    #[cfg_attr(
+        feature = "clap",
+        arg(long, env = "IDEMSTORE_KEY_PREFIX", value_name = "PREFIX", default_value = "")
+    )]
     pub key_prefix: String,
 }
 

@@ -103,6 +103,11 @@ impl std::fmt::Display for BackendError {
 
 impl std::error::Error for BackendError {}
 
+/// The target of this module's log lines: idemstore's module path before the backends had a
+/// crate of their own, so that `RUST_LOG` filters and log searches that name it (an example in
+/// docs/operations.md) still match.
+const LOG_TARGET: &str = "idemstore::backend";
+
 /// The causes of [`BackendError::Refused`] logged since the backend last recovered: each is
 /// logged once, not on every request and health check that meets it.
 static REFUSALS_LOGGED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
@@ -115,7 +120,7 @@ impl BackendError {
     /// failing ([`health_checked`]).
     pub fn log(&self, what: &str) {
         let Self::Refused(why) = self else {
-            tracing::warn!(error = %self, "{what} failed");
+            tracing::warn!(target: LOG_TARGET, error = %self, "{what} failed");
             return;
         };
         let first = match REFUSALS_LOGGED.lock() {
@@ -130,9 +135,9 @@ impl BackendError {
             Err(_) => true,
         };
         if first {
-            tracing::error!("{why} (logged once; /healthz answers 503 until it is fixed)");
+            tracing::error!(target: LOG_TARGET, "{why} (logged once; /healthz answers 503 until it is fixed)");
         } else {
-            tracing::debug!(error = %self, "{what} failed");
+            tracing::debug!(target: LOG_TARGET, error = %self, "{what} failed");
         }
     }
 }
@@ -152,7 +157,7 @@ pub fn health_checked(result: &Result<()>) {
                 if let Ok(mut seen) = REFUSALS_LOGGED.lock() {
                     seen.clear();
                 }
-                tracing::info!("the backend answers health checks again");
+                tracing::info!(target: LOG_TARGET, "the backend answers health checks again");
             }
         }
         Err(refused @ BackendError::Refused(_)) => {
@@ -161,9 +166,9 @@ pub fn health_checked(result: &Result<()>) {
         }
         Err(e) => {
             if HEALTH_FAILING.swap(true, Ordering::Relaxed) {
-                tracing::debug!(error = %e, "health check failed again");
+                tracing::debug!(target: LOG_TARGET, error = %e, "health check failed again");
             } else {
-                tracing::warn!(error = %e, "health check failed (logged again when it passes)");
+                tracing::warn!(target: LOG_TARGET, error = %e, "health check failed (logged again when it passes)");
             }
         }
     }
@@ -322,7 +327,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether the backend answers at all.
     fn health(&self) -> impl Future<Output = Result<()>> + Send;
 
-    // The operator's tools (`idemstore records`, [`crate::admin`]). Every backend idemstore
+    // The operator's tools (`idemstore records`, idemstore's admin routes). Every backend idemstore
     // runs has them; the defaults serve test doubles, which answer that they cannot.
 
     /// The operator's view of `key`: its record, its lock and its trace, if any (never the

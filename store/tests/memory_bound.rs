@@ -12,8 +12,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use idemstore::backend::memory::{MemoryBackend, DEFAULT_MAX_BYTES, DEFAULT_MAX_KEYS, ENTRY_COST};
-use idemstore::backend::{Attempt, Backend, BackendError, Commit, CommitOutcome};
+use idem_store::backend::memory::{MemoryBackend, DEFAULT_MAX_BYTES, DEFAULT_MAX_KEYS, ENTRY_COST};
+use idem_store::backend::{Attempt, Backend, BackendError, Commit, CommitOutcome};
 
 /// Counts the bytes allocated and not yet freed, and their high-water mark.
 struct Counting;
