@@ -57,7 +57,7 @@ use crate::error::{refused, Error};
 use crate::metrics::{self, Op, Outcome, Rejection};
 use crate::millis::{ceil_millis, give_up_at, running_millis};
 use crate::secret::Secret;
-use crate::store::{Begin, Store};
+use crate::store::{Begin, Observer, Store};
 use crate::stream::StreamService;
 
 /// Where idemstore serves its Prometheus metrics, on the same listener as the protocol.

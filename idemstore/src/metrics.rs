@@ -20,8 +20,10 @@
 //! label set, and every series is exported from the start, at zero.
 //!
 //! Uses only [`crate::backend`] (a backend error's reason, the in-memory backend's usage) and
-//! [`crate::store`]'s [`Observer`] (what the store tells of a `begin`'s wait); the store owns
-//! one [`Metrics`] as its observer, the HTTP layer counts and times requests through it.
+//! [`crate::store`]'s [`Observer`] (what the store tells of a `begin`'s wait, and idem-store's
+//! `calls` of each store-stream call); the store owns one [`Metrics`] as its observer, the HTTP
+//! layer counts and times requests through it ([`Metrics::timer`], [`Metrics::reject`]), into the
+//! same series as the stream's calls.
 
 use std::time::{Duration, Instant};
 
@@ -34,7 +36,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::backend::{Backend, BackendError, Usage};
-use crate::store::Observer;
+use crate::store::{Answered, Observer, Op as StoreOp, Rejected};
 
 /// `Content-Type` of `/metrics`: `text/plain; version=0.0.4; charset=utf-8`.
 pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
@@ -193,11 +195,22 @@ struct OpSeries {
 }
 
 impl OpSeries {
-    fn count(&self, outcome: Outcome) {
+    /// One operation ended `outcome` after `elapsed`: counted, and its duration observed.
+    fn ended(&self, outcome: Outcome, elapsed: Duration) {
         // At most eight entries (`begin`'s): cheaper than any map, and nothing to allocate.
         if let Some((_, counter)) = self.outcomes.iter().find(|(o, _)| *o == outcome) {
             counter.inc();
         }
+        self.duration.observe(seconds(elapsed));
+    }
+
+    /// The backend failed one operation after `elapsed`: a backend error by reason, and `error`.
+    fn failed(&self, e: &BackendError, elapsed: Duration) {
+        let reason = backend_reason(e);
+        if let Some(i) = BACKEND_REASONS.iter().position(|r| *r == reason) {
+            self.backend_errors[i].inc();
+        }
+        self.ended(Outcome::Error, elapsed);
     }
 }
 
@@ -381,11 +394,6 @@ impl Metrics {
         self.commit_batch_items.inc_by(u64::try_from(items).unwrap_or(u64::MAX));
     }
 
-    /// Counts a release that got past validation and keeps the attempt's trace (in doubt).
-    pub fn in_doubt_release(&self) {
-        self.in_doubt_releases.inc();
-    }
-
     /// Counts a request refused before the backend.
     pub fn reject(&self, reason: Rejection) {
         self.rejected[reason as usize].inc();
@@ -424,17 +432,13 @@ impl Timer<'_> {
 
     /// The backend failed: `error`, and a backend error by reason.
     pub fn failed(mut self, e: &BackendError) {
-        let reason = backend_reason(e);
-        if let Some(i) = BACKEND_REASONS.iter().position(|r| *r == reason) {
-            self.series.backend_errors[i].inc();
-        }
-        self.close(Outcome::Error);
+        self.open = false;
+        self.series.failed(e, self.started.elapsed());
     }
 
     fn close(&mut self, outcome: Outcome) {
         self.open = false;
-        self.series.count(outcome);
-        self.series.duration.observe(seconds(self.started.elapsed()));
+        self.series.ended(outcome, self.started.elapsed());
     }
 }
 
@@ -446,8 +450,39 @@ impl Drop for Timer<'_> {
     }
 }
 
+impl From<StoreOp> for Op {
+    fn from(op: StoreOp) -> Self {
+        match op {
+            StoreOp::Begin => Self::Begin,
+            StoreOp::Commit => Self::Commit,
+            StoreOp::Release => Self::Release,
+        }
+    }
+}
+
+impl From<Answered> for Outcome {
+    fn from(answered: Answered) -> Self {
+        match answered {
+            Answered::Begin(o) => Self::Begin(o),
+            Answered::Commit(o) => Self::Commit(o),
+            Answered::Release(o) => Self::Release(o),
+        }
+    }
+}
+
+impl From<Rejected> for Rejection {
+    fn from(why: Rejected) -> Self {
+        match why {
+            Rejected::Invalid => Self::Invalid,
+            Rejected::TooLarge => Self::TooLarge,
+        }
+    }
+}
+
 /// A `begin` waiting for a held lock: counted in `idemstore_waiters` while it waits, its wait
-/// observed in `idemstore_begin_wait_seconds` when it ends (answered or abandoned).
+/// observed in `idemstore_begin_wait_seconds` when it ends (answered or abandoned). A call served
+/// by idem-store (the store stream's) counts in the same series as its HTTP twin's [`Timer`]
+/// and [`Metrics::reject`].
 impl Observer for Metrics {
     /// The in-memory backend's gauges for that backend only.
     fn for_backend<B: Backend>(backend: &B) -> Self {
@@ -461,6 +496,27 @@ impl Observer for Metrics {
     fn wait_ended(&self, waited: Duration) {
         self.waiters.dec();
         self.begin_wait.observe(seconds(waited));
+    }
+
+    fn call_rejected(&self, why: Rejected) {
+        self.reject(why.into());
+    }
+
+    fn call_answered(&self, outcome: Answered, elapsed: Duration) {
+        self.ops[Op::from(outcome.op()) as usize].ended(outcome.into(), elapsed);
+    }
+
+    fn call_failed(&self, op: StoreOp, error: &BackendError, elapsed: Duration) {
+        self.ops[Op::from(op) as usize].failed(error, elapsed);
+    }
+
+    fn call_cancelled(&self, op: StoreOp, elapsed: Duration) {
+        self.ops[Op::from(op) as usize].ended(Outcome::Cancelled, elapsed);
+    }
+
+    /// Counts a release that got past validation and keeps the attempt's trace (in doubt).
+    fn in_doubt_release(&self) {
+        self.in_doubt_releases.inc();
     }
 }
 
@@ -563,6 +619,61 @@ mod tests {
             "idemstore_commit_batch_items_total 67",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+    }
+
+    /// A store-stream call told through the [`Observer`] counts exactly as the same request
+    /// timed over HTTP: the same series, by the same labels, and one duration each.
+    #[test]
+    fn observed_calls_count_as_timed_requests() {
+        let (timed, observed) = (Metrics::new(false), Metrics::new(false));
+        let now = Instant::now();
+        let answers = [
+            Answered::Begin(BeginOutcome::Locked),
+            Answered::Begin(BeginOutcome::InDoubt),
+            Answered::Commit(CommitOutcome::Late),
+            Answered::Release(ReleaseOutcome::NotOwner),
+        ];
+        for answered in answers {
+            timed.timer(Op::from(answered.op()), now).answered(answered.into());
+            observed.call_answered(answered, Duration::ZERO);
+        }
+        let refused = BackendError::Refused("acl".into());
+        for (op, e) in [(StoreOp::Begin, &BackendError::Full), (StoreOp::Release, &refused)] {
+            timed.timer(op.into(), now).failed(e);
+            observed.call_failed(op, e, Duration::ZERO);
+        }
+        drop(timed.timer(Op::Commit, now));
+        observed.call_cancelled(StoreOp::Commit, Duration::ZERO);
+        timed.reject(Rejection::Invalid);
+        timed.reject(Rejection::TooLarge);
+        observed.call_rejected(Rejected::Invalid);
+        observed.call_rejected(Rejected::TooLarge);
+        timed.in_doubt_release();
+        observed.in_doubt_release();
+        // Durations differ by the clock; their counts may not. A family's series come in no set
+        // order.
+        let counts = |m: &Metrics| -> Vec<String> {
+            let text = m.encode(true, None).unwrap();
+            let mut lines: Vec<String> = text
+                .lines()
+                .filter(|l| !l.contains("_bucket{") && !l.contains("_sum"))
+                .map(str::to_owned)
+                .collect();
+            lines.sort();
+            lines
+        };
+        let counted = counts(&observed);
+        assert_eq!(counts(&timed), counted);
+        for line in [
+            "idemstore_requests_total{op=\"begin\",outcome=\"in-doubt\"} 1",
+            "idemstore_requests_total{op=\"commit\",outcome=\"cancelled\"} 1",
+            "idemstore_backend_errors_total{op=\"release\",reason=\"refused\"} 1",
+            "idemstore_request_duration_seconds_count{op=\"begin\"} 3",
+            "idemstore_rejected_total{reason=\"too_large\"} 1",
+            "idemstore_in_doubt_releases_total 1",
+        ] {
+            assert!(counted.iter().any(|l| l == line), "missing {line:?} in:\n{}", counted.join("\n"));
         }
     }
 }

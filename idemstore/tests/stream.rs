@@ -8,10 +8,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::client::{serve, serve_store};
+use bytes::Bytes;
+use common::client::{serve, serve_store, Client, Version};
 use idem_protocol as proto;
 use idemstore::backend::memory::MemoryBackend;
-use idemstore::http::{Options, SecretCheck};
+use idemstore::backend::{self, Attempt, Backend, BackendError, CommitOutcome, Hold, ReleaseOutcome};
+use idemstore::http::{Options, SecretCheck, PATH_METRICS};
 use idemstore::secret::Secret;
 use idemstore::store::Store;
 use proto::stream::{Answer, Begin, Begun, Call, Commit, Op, Outcome, Release};
@@ -227,4 +229,142 @@ async fn hold_fields_are_validated() {
     )
     .await;
     assert_eq!(begun(&s.next().await).outcome, "locked");
+}
+
+/// A backend that fails every call, as Redis down would.
+#[derive(Debug, Clone)]
+struct Down;
+
+impl Backend for Down {
+    async fn try_begin(
+        &self,
+        _: &str,
+        _: &str,
+        _: &str,
+        _: Duration,
+        _: Option<Hold<'_>>,
+    ) -> backend::Result<Attempt> {
+        Err(BackendError::Unavailable("down".into()))
+    }
+
+    async fn commit(&self, _: backend::Commit<'_>) -> backend::Result<CommitOutcome> {
+        Err(BackendError::Unavailable("down".into()))
+    }
+
+    async fn release(&self, _: &str, _: &str, _: bool) -> backend::Result<ReleaseOutcome> {
+        Err(BackendError::Unavailable("down".into()))
+    }
+
+    async fn health(&self) -> backend::Result<()> {
+        Err(BackendError::Unavailable("down".into()))
+    }
+}
+
+/// The `/metrics` exposition of the idemstore at `addr`, without the histograms' buckets and
+/// sums (their values are times).
+async fn counted(addr: SocketAddr) -> Vec<String> {
+    let reply = Client::new(addr, Version::H1).await.call("GET", PATH_METRICS, &[], Bytes::new()).await;
+    let text = String::from_utf8(reply.body.to_vec()).unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.contains("_bucket{") && !l.contains("_sum"))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn has_all(lines: &[String], expected: &[&str]) {
+    for line in expected {
+        assert!(lines.iter().any(|l| l == line), "missing {line:?} in:\n{}", lines.join("\n"));
+    }
+}
+
+/// Each call on the stream counts as its HTTP twin would: requests by op and outcome, their
+/// durations, refusals by reason, in-doubt releases, backend errors by reason.
+#[tokio::test]
+async fn calls_count_in_the_metrics_as_their_http_twins() {
+    let addr = serve(1024).await;
+    let mut s = open(addr, None).await.unwrap();
+    let (key, hash) = (common::key(), common::hash('a'));
+    s.send(1, begin(&key, &hash, 0)).await;
+    let token = begun(&s.next().await).token.clone();
+    s.send(2, begin(&key, &hash, 0)).await;
+    assert_eq!(begun(&s.next().await).outcome, "busy");
+    let commit =
+        Commit { key: key.clone(), token, body_hash: hash.clone(), retention_s: 60, record: vec![1] };
+    s.send(3, Op::Commit(commit.clone())).await;
+    assert_eq!(s.next().await.outcome, Some(Outcome::Committed("stored".into())));
+    s.send(4, Op::Commit(commit)).await;
+    assert_eq!(s.next().await.outcome, Some(Outcome::Committed("exists".into())));
+    s.send(5, begin(&key, &hash, 0)).await;
+    assert_eq!(begun(&s.next().await).outcome, "record");
+    s.send(6, begin(&key, &common::hash('b'), 0)).await;
+    assert_eq!(begun(&s.next().await).outcome, "mismatch");
+    let other = common::key();
+    s.send(7, begin_hold(&other, &hash, 60, "")).await;
+    let held = begun(&s.next().await).token.clone();
+    s.send(8, Op::Release(Release { key: other.clone(), token: "t".repeat(32), in_doubt: false })).await;
+    assert_eq!(s.next().await.outcome, Some(Outcome::Released("not-owner".into())));
+    s.send(9, Op::Release(Release { key: other, token: held, in_doubt: true })).await;
+    assert_eq!(s.next().await.outcome, Some(Outcome::Released("released".into())));
+    s.send(10, begin("not-hex", &hash, 0)).await;
+    s.calls.send(Call { id: 11, op: None }).await.unwrap();
+    let big = Commit { key, token: "t".repeat(32), body_hash: hash, retention_s: 60, record: vec![1; 2048] };
+    s.send(12, Op::Commit(big)).await;
+    for _ in 10..=12 {
+        assert!(matches!(s.next().await.outcome, Some(Outcome::Failure(f)) if f.bad_request));
+    }
+    has_all(
+        &counted(addr).await,
+        &[
+            "idemstore_requests_total{op=\"begin\",outcome=\"locked\"} 2",
+            "idemstore_requests_total{op=\"begin\",outcome=\"busy\"} 1",
+            "idemstore_requests_total{op=\"begin\",outcome=\"record\"} 1",
+            "idemstore_requests_total{op=\"begin\",outcome=\"mismatch\"} 1",
+            "idemstore_requests_total{op=\"begin\",outcome=\"error\"} 0",
+            "idemstore_requests_total{op=\"begin\",outcome=\"cancelled\"} 0",
+            "idemstore_requests_total{op=\"commit\",outcome=\"stored\"} 1",
+            "idemstore_requests_total{op=\"commit\",outcome=\"exists\"} 1",
+            "idemstore_requests_total{op=\"release\",outcome=\"released\"} 1",
+            "idemstore_requests_total{op=\"release\",outcome=\"not-owner\"} 1",
+            "idemstore_request_duration_seconds_count{op=\"begin\"} 5",
+            "idemstore_request_duration_seconds_count{op=\"commit\"} 2",
+            "idemstore_request_duration_seconds_count{op=\"release\"} 2",
+            "idemstore_rejected_total{reason=\"secret\"} 0",
+            "idemstore_rejected_total{reason=\"invalid\"} 2",
+            "idemstore_rejected_total{reason=\"too_large\"} 1",
+            "idemstore_in_doubt_releases_total 1",
+            "idemstore_commit_batches_total 0",
+            "idemstore_begin_wait_seconds_count 1",
+            "idemstore_waiters 0",
+        ],
+    );
+
+    // The backend down: each call an error, by reason, and a failure that is not the caller's.
+    let addr = serve_store(Arc::new(Store::new(Down)), Options::new(1024)).await;
+    let mut s = open(addr, None).await.unwrap();
+    let (key, hash, token) = (common::key(), common::hash('a'), "t".repeat(32));
+    s.send(1, begin(&key, &hash, 0)).await;
+    let commit =
+        Commit { key: key.clone(), token: token.clone(), body_hash: hash, retention_s: 60, record: vec![1] };
+    s.send(2, Op::Commit(commit)).await;
+    s.send(3, Op::Release(Release { key, token, in_doubt: true })).await;
+    for _ in 1..=3 {
+        assert!(matches!(s.next().await.outcome, Some(Outcome::Failure(f)) if !f.bad_request));
+    }
+    has_all(
+        &counted(addr).await,
+        &[
+            "idemstore_requests_total{op=\"begin\",outcome=\"error\"} 1",
+            "idemstore_requests_total{op=\"commit\",outcome=\"error\"} 1",
+            "idemstore_requests_total{op=\"release\",outcome=\"error\"} 1",
+            "idemstore_backend_errors_total{op=\"begin\",reason=\"unavailable\"} 1",
+            "idemstore_backend_errors_total{op=\"commit\",reason=\"unavailable\"} 1",
+            "idemstore_backend_errors_total{op=\"release\",reason=\"unavailable\"} 1",
+            "idemstore_backend_errors_total{op=\"release\",reason=\"full\"} 0",
+            "idemstore_request_duration_seconds_count{op=\"begin\"} 1",
+            "idemstore_request_duration_seconds_count{op=\"commit\"} 1",
+            "idemstore_request_duration_seconds_count{op=\"release\"} 1",
+            "idemstore_in_doubt_releases_total 1",
+            "idemstore_rejected_total{reason=\"invalid\"} 0",
+        ],
+    );
 }

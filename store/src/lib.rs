@@ -4,16 +4,19 @@
 //!
 //! Its own crate so that idemstore and a host that runs the store's client in Envoy's own
 //! process use the same code, not a copy: the Lua scripts, the key names and the wake-ups are
-//! what makes every instance agree on a key, and two copies would drift. Nothing here serves a
-//! protocol or exports metrics: idemstore's HTTP routes, store stream, admin routes and
-//! Prometheus metrics stay in idemstore, which counts a `begin`'s wait through
-//! [`store::Observer`].
+//! what makes every instance agree on a key, and two copies would drift. So is one store-stream
+//! call to its answer ([`calls::serve`]): the same validation and answers whichever process
+//! serves the stream. Nothing here listens, speaks a transport or exports metrics: idemstore's
+//! HTTP routes, the store stream's gRPC service, admin routes and Prometheus metrics stay in
+//! idemstore, which counts a `begin`'s wait and each served call through [`store::Observer`].
 //!
 //! | module | owns | uses |
 //! |---|---|---|
-//! | [`store`] | the protocol's operations over a backend, with the `begin` long-poll; the lock tokens; what the store tells its [`store::Observer`] | `backend`, `waiters` |
+//! | [`calls`] | one store-stream call to its answer: validated, carried out on a [`store::Store`], counted through its observer | `store`, `backend`, `millis` |
+//! | [`store`] | the protocol's operations over a backend, with the `begin` long-poll; the lock tokens; what the store and a served call tell its [`store::Observer`] | `backend`, `waiters` |
 //! | [`backend`] | the [`backend::Backend`] interface and its implementations: [`backend::memory`], [`backend::redis`] with [`backend::pubsub`] and [`backend::sentinel`]; how Redis is reached ([`backend::access`]: TLS, credentials, key prefix) | `waiters` |
 //! | [`waiters`] | per-key wake-ups for `begin` calls waiting on a held lock | nothing |
+//! | [`millis`] | durations in the protocol's whole milliseconds, a caller's deadline on this host's clock (idemstore's HTTP routes use them too) | nothing |
 //!
 //! Each module uses only modules below it in this table: the uses go one way, with no circle
 //! (in [`backend`], `redis` uses `pubsub`, `redis_error`, `sentinel` and `access`, `pubsub`
@@ -27,5 +30,7 @@
 //! not this crate's module paths: its operators' filters and searches name them.
 
 pub mod backend;
+pub mod calls;
+pub mod millis;
 pub mod store;
 pub mod waiters;

@@ -1,5 +1,5 @@
-//! The protocol's store operations as a server's routes call them (idemstore's HTTP layer and
-//! store stream): [`Store::begin`] (and
+//! The protocol's store operations as a server's routes call them (idemstore's HTTP layer, and
+//! a store-stream call in [`crate::calls`]): [`Store::begin`] (and
 //! [`Store::begin_with`]), [`Store::commit`] and [`Store::release`],
 //! plus [`Store::health`], over one backend, with the `begin` long-poll: a lock held elsewhere
 //! is waited on, woken by [`Waiters`] and re-checked with backoff. A `commits` call is one
@@ -7,8 +7,9 @@
 //! resolutions go to [`Store::backend`] directly.
 //!
 //! Owns the lock tokens ([`new_token`]) and the waiters of one instance, and tells its
-//! [`Observer`] (idemstore's Prometheus metrics) when a `begin` waits; uses [`crate::backend`]
-//! and [`crate::waiters`], never the HTTP layer.
+//! [`Observer`] (idemstore's Prometheus metrics) when a `begin` waits; the [`Observer`] trait
+//! also names what a served call tells ([`crate::calls`] calls it). Uses [`crate::backend`] and
+//! [`crate::waiters`], never a server.
 
 use std::pin::pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,7 +21,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::backend::{Attempt, Backend, Commit, CommitOutcome, Hold, ReleaseOutcome, Result};
+use idem_protocol::BeginOutcome;
+
+use crate::backend::{Attempt, Backend, BackendError, Commit, CommitOutcome, Hold, ReleaseOutcome, Result};
 use crate::waiters::{RemoteWakeups, Waiters};
 
 /// First re-check delay for a held lock; doubles up to [`MAX_RECHECK`]. Commits and releases
@@ -57,11 +60,51 @@ pub enum Begin {
     },
 }
 
-/// What a [`Store`] tells its owner about its own work, the part of it no caller sees: idemstore
-/// counts it in its Prometheus metrics (`idemstore_waiters`, `idemstore_begin_wait_seconds`);
-/// [`NoObserver`] for a user that counts nothing. A trait, so that this crate needs no metrics
-/// library and each host keeps its own. The callers count the rest (requests, outcomes, errors)
-/// around their calls, where they see it.
+/// A store operation a call names, once past validation (what a backend failure or a cancelled
+/// call is counted under).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Begin,
+    Commit,
+    Release,
+}
+
+/// How a call past validation was answered: the protocol's outcome, which names its [`Op`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answered {
+    Begin(BeginOutcome),
+    Commit(CommitOutcome),
+    Release(ReleaseOutcome),
+}
+
+impl Answered {
+    pub fn op(self) -> Op {
+        match self {
+            Self::Begin(_) => Op::Begin,
+            Self::Commit(_) => Op::Commit,
+            Self::Release(_) => Op::Release,
+        }
+    }
+}
+
+/// Why a call was refused before the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rejected {
+    /// A field missing, out of range or malformed, or a call without an operation.
+    Invalid,
+    /// A commit's record over the host's limit.
+    TooLarge,
+}
+
+/// What a [`Store`] and the calls served over it ([`crate::calls`]) tell their owner, the part
+/// of their work no caller sees: idemstore counts it in its Prometheus metrics; [`NoObserver`]
+/// for a user that counts nothing. A trait, so that this crate needs no metrics library and
+/// each host keeps its own.
+///
+/// The store itself tells of a `begin`'s wait. A served call tells how it ended, exactly once
+/// if it got past validation (answered, failed or cancelled, with the time since it arrived),
+/// or that it was refused; every such method does nothing unless the observer counts it, so a
+/// host that serves no calls implements only the waits.
 pub trait Observer {
     /// The observer of a new store over `backend`, made by [`Store::new`] and
     /// [`Store::with_recheck`] (idemstore's metrics export the in-memory backend's gauges, for
@@ -73,6 +116,24 @@ pub trait Observer {
 
     /// That wait is over after `waited`: answered, or the call dropped mid-wait.
     fn wait_ended(&self, waited: Duration);
+
+    /// A call was refused before the backend.
+    fn call_rejected(&self, _why: Rejected) {}
+
+    /// A call past validation answered `outcome`, `elapsed` after it arrived (a `begin`'s wait
+    /// included).
+    fn call_answered(&self, _outcome: Answered, _elapsed: Duration) {}
+
+    /// The backend failed a call past validation (or refused it: the in-memory backend full).
+    fn call_failed(&self, _op: Op, _error: &BackendError, _elapsed: Duration) {}
+
+    /// A call past validation was dropped before its answer (its caller gone, its task ended);
+    /// the backend may have done the operation all the same.
+    fn call_cancelled(&self, _op: Op, _elapsed: Duration) {}
+
+    /// A release past validation keeps the attempt's trace (in doubt: sent, and no answer came
+    /// back); it also ends as any call does.
+    fn in_doubt_release(&self) {}
 }
 
 /// An [`Observer`] that counts nothing.
