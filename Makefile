@@ -1,6 +1,7 @@
 # Idempotency-Key filter for Envoy: build, test, run.
 #
-#   make build    the filter (wasm32-wasip1) and idemstore, release builds
+#   make build    the filter (wasm32-wasip1), its native host (an Envoy dynamic module,
+#                 target/release/libidempotency_filter.so) and idemstore, release builds
 #   make test     every test: rustfmt check, unit, clippy (native and wasm), end to end (real Envoy
 #                 + Redis); brings what it needs (see below), so a fresh clone needs nothing else
 #   make e2e      the end-to-end suite alone (the contract, drill and replica suites twice: on the
@@ -63,12 +64,13 @@ export ENVOY_BIN
 
 WASM := $(CURDIR)/target/$(WASM_TARGET)/release/idempotency_filter.wasm
 IDEMSTORE := $(CURDIR)/target/release/idemstore
+MODULE := $(CURDIR)/target/release/libidempotency_filter.so
 E2E_TESTS ?= tests
 PYTEST_ARGS ?= -q
 FUZZ_SECONDS ?= 600
 FUZZ_QUICK_SECONDS ?= 15
 
-.PHONY: all build build-wasm build-idemstore envoy venv redis wrk promtool wasm-target clippy-component \
+.PHONY: all build build-wasm build-native build-idemstore envoy venv redis wrk promtool wasm-target clippy-component \
         rustfmt-component cargo-fuzz test fmt unit clippy clippy-native clippy-wasm e2e bench \
         bench-quick fuzz fuzz-quick run demo image image-test image-tools musl-target \
         build-idemstore-static clean distclean help
@@ -80,10 +82,14 @@ help:
 
 ## ---- build -------------------------------------------------------------------------------
 
-build: build-wasm build-idemstore
+build: build-wasm build-native build-idemstore
 
 build-wasm: wasm-target
 	$(CARGO) build --release --target $(WASM_TARGET) -p idempotency-filter
+
+# The crate's cdylib built for this machine with the `native` feature: the dynamic module.
+build-native:
+	$(CARGO) build --release -p idempotency-filter --features native
 
 build-idemstore:
 	$(CARGO) build --release -p idemstore
@@ -240,6 +246,7 @@ clippy: clippy-native clippy-wasm
 clippy-native: clippy-component
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p idem-store --all-targets -- -D warnings
+	$(CARGO) clippy -p idempotency-filter --features native -- -D warnings
 
 clippy-wasm: clippy-component wasm-target
 	$(CARGO) clippy -p idempotency-filter --target $(WASM_TARGET) --all-targets -- -D warnings
@@ -257,7 +264,7 @@ clippy-wasm: clippy-component wasm-target
 E2E_CALLOUT_TESTS ?= tests/contract tests/failures/test_drills.py tests/failures/test_replicas.py \
   tests/failures/test_store_freeze.py
 e2e: build envoy venv redis promtool
-	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	FILTER_WASM="$(WASM)" FILTER_MODULE="$(MODULE)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  REDIS_SERVER="$$($(REDIS_FIND))" $(IMAGE_TEST_ENV) \
 	  timeout --kill-after=10 900 "$(TEST_PYTHON)" -m pytest $(E2E_TESTS) $(PYTEST_ARGS)
 	if [ "$(E2E_TESTS)" = tests ]; then \

@@ -9,7 +9,8 @@
 //!   what is kept, replays, problems, inbox ids, detached execution) and what it counts.
 //! * [`worker`]: the per-worker coordinator: the streams of one VM, the callouts they start, and
 //!   who answers a store call (record cache, breaker, local fallback, the network).
-//! * `host`: the glue to Envoy, the only code that talks to it; a folder per host (`wasm`: proxy-wasm).
+//! * `host`: the glue to Envoy, the only code that talks to it; a folder per host (`wasm`:
+//!   proxy-wasm; `native`: an Envoy dynamic module, the `native` feature).
 //!
 //! Everything but `host` is pure and unit-tested natively; of `host`, the unit tests build the
 //! part that carries out the coordinator's commands, over a fake host. `sim` (tests and the
@@ -22,7 +23,7 @@ pub mod request;
 pub mod store;
 pub mod worker;
 
-#[cfg(any(target_arch = "wasm32", test))]
+#[cfg(any(target_arch = "wasm32", test, feature = "native"))]
 mod host;
 
 #[cfg(any(test, feature = "sim"))]

@@ -12,7 +12,7 @@
 
 use serde_json::{json, Value};
 
-use crate::config::keys::{config, err, object, ConfigError};
+use crate::config::keys::{config, err, object, type_name, ConfigError};
 use crate::config::parse::*;
 use crate::config::patterns::{MediaPattern, StatusSet};
 use crate::config::values::*;
@@ -71,6 +71,10 @@ config! {
     }
     structured {
         store_cluster: String,
+        /// The store run inside Envoy's process (the native host only): its settings as written,
+        /// an object the host reads (see `host::native::settings`); absent: idemstore at
+        /// `store_cluster`.
+        store: Option<Value>,
         methods: Vec<String>,
         replay_header: String,
         replay_headers: Vec<String>,
@@ -169,6 +173,7 @@ impl Config {
         };
         let structured = Structured {
             store_cluster: store.store_cluster,
+            store: store.store,
             methods: mode.methods,
             replay_header: replay.replay_header,
             replay_headers: replay.replay_headers,
@@ -232,6 +237,7 @@ impl Config {
         RawConfig {
             // Empty only in mint mode, where it is not required.
             store_cluster: Some(json!(self.store_cluster)).filter(|_| !self.store_cluster.is_empty()),
+            store: self.store.clone(),
             methods: Some(json!(self.methods)),
             replay_header: Some(json!(self.replay_header)),
             replay_headers: Some(json!(self.replay_headers)),
@@ -317,6 +323,7 @@ impl Config {
 /// what the upstream gets of it (`store_key_header`) and how long a detached call may take.
 struct StoreKeys {
     store_cluster: String,
+    store: Option<Value>,
     failure_mode: FailureMode,
     store_transport: StoreTransport,
     detached_timeout_ms: u64,
@@ -332,9 +339,21 @@ fn store_keys(
 ) -> Result<StoreKeys, ConfigError> {
     // The sending side (mint mode) and the replay listener make no store calls.
     let no_store = matches!(&raw.mode, Some(Value::String(m)) if m == "mint" || m == "grpc_replay");
+    // Which store, and what each host accepts, is the host's to check: here only its shape.
+    let store = match raw.store.take() {
+        None | Some(Value::Null) => None,
+        Some(v @ Value::Object(_)) => Some(v),
+        Some(v) => return Err(err("store", format!("must be an object, not {}", type_name(&v)))),
+    };
     let store_cluster = match raw.store_cluster.take() {
-        None if no_store => String::new(),
-        None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore)")),
+        None if no_store || store.is_some() => String::new(),
+        None => return Err(err("store_cluster", "is required (the Envoy cluster of idemstore), or `store`")),
+        Some(_) if store.is_some() => {
+            return Err(err(
+                "store_cluster",
+                "and `store` exclude each other (idemstore, or the store in Envoy)",
+            ));
+        }
         Some(v) => non_empty_string("store_cluster", v)?,
     };
     let failure_mode = either(
@@ -348,6 +367,9 @@ fn store_keys(
         [("stream", StoreTransport::Stream), ("callout", StoreTransport::Callout)],
     )?;
     // The stream names the cluster inside a serialized `GrpcService` the host takes as a string.
+    if store.is_some() && store_transport == StoreTransport::Callout {
+        return Err(err("store_transport", "must be `stream` with `store` (there is no cluster to call)"));
+    }
     if store_transport == StoreTransport::Stream && store_cluster.len() > 120 {
         return Err(err("store_cluster", "is at most 120 bytes with `store_transport: stream`"));
     }
@@ -373,6 +395,7 @@ fn store_keys(
     let store_secret = store_secret(raw.store_secret.take(), raw.store_secret_env.take(), env)?;
     Ok(StoreKeys {
         store_cluster,
+        store,
         failure_mode,
         store_transport,
         detached_timeout_ms,

@@ -21,6 +21,7 @@ use crate::config::{Config, RawConfig};
 /// must match the filter's Envoy configuration.
 pub const FILTER_WIDE: &[&str] = &[
     "store_cluster",
+    "store",
     "store_timeout_ms",
     "store_transport",
     "store_streams",

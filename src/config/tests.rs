@@ -751,3 +751,23 @@ fn the_every_key_seeds_are_accepted_and_together_set_every_key() {
     let missing: Vec<&&str> = KEYS.iter().filter(|k| !set.contains(**k)).collect();
     assert!(missing.is_empty(), "no seed of {seeds:?} sets {missing:?}");
 }
+
+#[test]
+fn store_is_the_native_hosts_and_excludes_store_cluster() {
+    let c = parse(r#"{"store":{"memory":true}}"#).unwrap();
+    assert_eq!(c.store, Some(serde_json::json!({"memory": true})));
+    assert!(c.store_cluster.is_empty());
+    for (bad, says) in [
+        (r#"{"store":{"memory":true},"store_cluster":"s"}"#, "exclude each other"),
+        (r#"{"store":"redis://x"}"#, "must be an object"),
+        (r#"{"store":{"memory":true},"store_transport":"callout"}"#, "must be `stream` with `store`"),
+        (r#"{"store":{"memory":true},"routes":{"r":{"store":{"memory":true}}}}"#, "store"),
+        (r#"{"lock_wait_ms":0}"#, "or `store`"),
+    ] {
+        let e = parse(bad).unwrap_err().to_string();
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+    // Written back, as the fuzz target checks of every configuration it accepts.
+    let again = serde_json::to_vec(&c.to_raw()).unwrap();
+    assert_eq!(Config::from_json(&again), Ok(c));
+}

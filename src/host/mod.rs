@@ -23,6 +23,12 @@ mod vm;
 #[cfg(target_arch = "wasm32")]
 mod wasm;
 
+#[cfg(any(test, feature = "native"))]
+mod native;
+
+#[cfg(all(feature = "native", target_arch = "wasm32"))]
+compile_error!("the `native` feature builds the Envoy dynamic module: not for wasm32");
+
 #[cfg(test)]
 mod fake;
 #[cfg(test)]

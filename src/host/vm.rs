@@ -83,7 +83,6 @@ impl<H: HostCalls> Vm<H> {
         })
     }
 
-    #[cfg(test)]
     pub fn host(&self) -> &H {
         &self.host
     }

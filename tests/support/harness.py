@@ -80,6 +80,32 @@ def wasm_path() -> str:
     return artifact("FILTER_WASM", "target/wasm32-wasip1/release/idempotency_filter.wasm", "filter wasm")
 
 
+def native_module() -> str:
+    """The native host, `libidempotency_filter.so` (an Envoy dynamic module; `make build`)."""
+    return artifact("FILTER_MODULE", "target/release/libidempotency_filter.so", "filter dynamic module")
+
+
+def native_env() -> dict[str, str]:
+    """What an Envoy that loads the native host needs: the module's folder to search."""
+    return {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(Path(native_module()).parent)}
+
+
+def native_filter(config: dict | str, name: str = "idempotency") -> dict:
+    """The native host as an HTTP filter, with `config` (the same JSON as the wasm filter's) as
+    its `filter_config`. Its metrics are `idempotency.<name>` (the module's namespace)."""
+    value = config if isinstance(config, str) else json.dumps(config)
+    return {
+        "name": "idempotency",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": "idempotency_filter", "do_not_close": True,
+                                      "metrics_namespace": "idempotency"},
+            "filter_name": name,
+            "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": value},
+        },
+    }
+
+
 def idemstore_bin() -> str:
     return artifact("IDEMSTORE_BIN", "target/release/idemstore", "idemstore binary")
 
@@ -830,11 +856,11 @@ def write_config(run_dir: Path, name: str, config: dict) -> Path:
 
 
 def launch_envoy(run_dir: Path, name: str, config: dict, log_level: str = "info",
-                 concurrency: int = 2) -> Proc:
+                 concurrency: int = 2, env: dict | None = None) -> Proc:
     path = write_config(run_dir, name, config)
     argv = [envoy_bin(), "-c", str(path), "--base-id", str(next(_BASE_IDS)), "--disable-hot-restart",
             "--concurrency", str(concurrency), "-l", log_level]
-    return start(name, argv, run_dir)
+    return start(name, argv, run_dir, env=env)
 
 
 def spawn_envoy(run_dir: Path, name: str, listener_filters: dict[str, list[dict]], upstream_port: int,
@@ -932,9 +958,9 @@ def envoy_refused(proc: Proc, admin_port: int, timeout: float = 15.0) -> str:
 
 
 def spawn_envoy_config(run_dir: Path, name: str, config: dict, admin_port: int, ports: dict[str, int],
-                       log_level: str = "info", concurrency: int = 2) -> Envoy:
+                       log_level: str = "info", concurrency: int = 2, env: dict | None = None) -> Envoy:
     """Launch an Envoy from a full config (its admin and listener ports given), not waiting."""
-    proc = launch_envoy(run_dir, name, config, log_level=log_level, concurrency=concurrency)
+    proc = launch_envoy(run_dir, name, config, log_level=log_level, concurrency=concurrency, env=env)
     return Envoy(proc, admin_port, dict(ports), Path(proc.argv[2]))
 
 

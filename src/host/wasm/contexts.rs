@@ -33,6 +33,11 @@ impl Root {
             .map_err(|s| format!("cannot read the plugin configuration: {s:?}"))?
             .unwrap_or_default();
         let cfg = Config::from_json(&bytes).map_err(|e| e.to_string())?;
+        if cfg.store.is_some() {
+            return Err("`store` needs the native host (the Envoy dynamic module): the wasm filter \
+                        reaches idemstore through `store_cluster`"
+                .into());
+        }
         // Queue names are per VM id, and every worker runs this root: a random name keeps each
         // worker's wake-ups on its own thread, where its streams live.
         let name = format!("idempotency-outbox-{:016x}", random_u64(self.id));

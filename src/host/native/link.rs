@@ -1,0 +1,155 @@
+//! One worker's link with the store's threads: the events they hand it (store answers, ticks,
+//! wake-ups) wait in a queue, and the worker is woken through the scheduler of one of its live
+//! streams, the only way another thread can run code on an Envoy worker.
+//!
+//! Shutdown safety: Envoy's scheduler holds the worker's dispatcher by plain reference, so a
+//! commit on a scheduler whose stream is gone (or whose worker has stopped) is a use-after-free.
+//! Schedulers are committed only under this link's lock, and a stream takes its own out of the
+//! link under the same lock before deleting it; Envoy destroys every stream of a worker before
+//! its dispatcher. So no commit can reach a deleted scheduler or a stopped worker.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use super::abi;
+
+/// What the store's threads hand a worker.
+pub enum Event {
+    /// An answer on the store stream `token`.
+    Message { token: u32, bytes: Vec<u8> },
+    /// The coordinator's tick is due.
+    Tick,
+    /// The coordinator asked to be woken (`Command::Wake`).
+    Wake,
+}
+
+/// A stream's scheduler, owned by the stream (deleted when it is destroyed).
+#[derive(Clone, Copy)]
+pub struct Scheduler(pub abi::HttpFilterSchedulerModulePtr);
+
+// SAFETY: Envoy's schedulers are made to be committed from any thread; this link only commits
+// one while it is registered (see the module docs), and only its stream deletes it.
+unsafe impl Send for Scheduler {}
+
+#[derive(Default)]
+struct State {
+    events: VecDeque<Event>,
+    /// The live streams' schedulers, by the stream's id on this worker.
+    schedulers: Vec<(u32, Scheduler)>,
+    /// The stream whose scheduler has an event on its way to the worker.
+    committed: Option<u32>,
+    tick_queued: bool,
+}
+
+pub struct Link {
+    state: Mutex<State>,
+    /// Events are waiting: read without the lock at the start of every hook.
+    pending: AtomicBool,
+    /// Bumped by every new tick period: an older ticker stops.
+    tick_generation: AtomicU64,
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        Link {
+            state: Mutex::new(State::default()),
+            pending: AtomicBool::new(false),
+            tick_generation: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Link {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means a thread panicked while holding it: the queue is still whole.
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues `event` and wakes the worker (from any thread).
+    pub fn push(&self, event: Event) {
+        let mut state = self.lock();
+        if matches!(event, Event::Tick) {
+            if state.tick_queued {
+                return;
+            }
+            state.tick_queued = true;
+        }
+        state.events.push_back(event);
+        self.pending.store(true, Ordering::Release);
+        Self::commit(&mut state);
+    }
+
+    /// Under the lock: one event on its way at a time, to the newest live stream (the one most
+    /// likely to outlive the wait).
+    fn commit(state: &mut State) {
+        if state.committed.is_some() || state.events.is_empty() {
+            return;
+        }
+        if let Some(&(id, Scheduler(ptr))) = state.schedulers.last() {
+            // SAFETY: registered schedulers are alive (removed under this lock before deletion).
+            unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_commit(ptr, 0) };
+            state.committed = Some(id);
+        }
+    }
+
+    /// A new stream on the worker: events that waited for one go out through it.
+    pub fn add_scheduler(&self, stream: u32, scheduler: Scheduler) {
+        let mut state = self.lock();
+        state.schedulers.push((stream, scheduler));
+        Self::commit(&mut state);
+    }
+
+    /// The stream is being destroyed: its scheduler is no longer committed, and an event on
+    /// its way through it (which Envoy drops with the stream) goes through another.
+    pub fn remove_scheduler(&self, stream: u32) -> Option<Scheduler> {
+        let mut state = self.lock();
+        let at = state.schedulers.iter().position(|(id, _)| *id == stream)?;
+        let (_, scheduler) = state.schedulers.remove(at);
+        if state.committed == Some(stream) {
+            state.committed = None;
+            Self::commit(&mut state);
+        }
+        Some(scheduler)
+    }
+
+    /// Whether events wait (a hint, without the lock).
+    pub fn pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire)
+    }
+
+    /// The events waiting; `scheduled` is the stream whose scheduled event runs now, if one does.
+    pub fn take(&self, scheduled: Option<u32>) -> VecDeque<Event> {
+        let mut state = self.lock();
+        if scheduled.is_some() && state.committed == scheduled {
+            state.committed = None;
+        }
+        state.tick_queued = false;
+        self.pending.store(false, Ordering::Release);
+        std::mem::take(&mut state.events)
+    }
+
+    /// Ticks every `period` on `runtime` from now on (zero: none).
+    pub fn set_tick(self: &Arc<Self>, period: Duration, runtime: &tokio::runtime::Handle) {
+        let generation = self.tick_generation.fetch_add(1, Ordering::AcqRel) + 1;
+        if period.is_zero() {
+            return;
+        }
+        let link = Arc::clone(self);
+        runtime.spawn(async move {
+            let mut interval = tokio::time::interval(period);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            interval.tick().await;
+            loop {
+                interval.tick().await;
+                // A ticker outlives its period's change by one tick at most, and the store's
+                // threads stop with the configuration.
+                if link.tick_generation.load(Ordering::Acquire) != generation {
+                    return;
+                }
+                link.push(Event::Tick);
+            }
+        });
+    }
+}
