@@ -7,7 +7,8 @@
 #   make e2e      the end-to-end suite alone (the contract, drill and replica suites twice: on the
 #                 store stream and on callouts); E2E_TESTS (tests) and PYTEST_ARGS (-q) narrow it, e.g.
 #                 make e2e E2E_TESTS=tests/contract/test_replay.py::test_first_executes_then_five_retries_replay
-#   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore)
+#   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore);
+#                 NATIVE=1: the native host (envoy/native.yaml, the store in Envoy, a local Redis)
 #   make demo     the local stack plus a scripted story against it; exits 0 if every step behaved
 #   make image    OCI images of the filter (/plugin.wasm) and idemstore (static, non-root), built
 #                 without a container engine: layouts and docker archives in target/images/
@@ -314,9 +315,9 @@ fuzz-quick: cargo-fuzz
 
 # `REDIS=1 make run` also starts redis-server with envoy/redis.conf (AOF in target/redis) and
 # puts idemstore on it; `REDIS_URL=redis://host:port make run` uses a Redis you run.
-run: build envoy
-	ENVOY_BIN="$(ENVOY_BIN)" IDEMSTORE_BIN="$(IDEMSTORE)" PYTHON="$(PYTHON)" REDIS="$(REDIS)" \
-	  exec bash demo/run.sh
+run: build envoy $(if $(filter 1,$(NATIVE)),redis)
+	ENVOY_BIN="$(ENVOY_BIN)" IDEMSTORE_BIN="$(IDEMSTORE)" PYTHON="$(PYTHON)" REDIS="$(REDIS)" NATIVE="$(NATIVE)" \
+	  $(if $(filter 1,$(NATIVE)),REDIS_SERVER="$$($(REDIS_FIND))") exec bash demo/run.sh
 
 # The same stack as `make run`, in the background, with demo/story.py played against it.
 demo: build envoy

@@ -5,6 +5,9 @@
 #   redis-server      127.0.0.1:6379   only with REDIS=1: envoy/redis.conf (append-only file in
 #                                      target/redis), and idemstore on it
 #   Envoy             127.0.0.1:10000  (admin 127.0.0.1:9901), config envoy/envoy.yaml
+# With NATIVE=1 (`make run NATIVE=1`): the native host instead (envoy/native.yaml, the module
+# target/release/libidempotency_filter.so with the store in Envoy), on a local Redis
+# (envoy/redis.conf, as REDIS=1), and no idemstore.
 # Ctrl-C (or any of them exiting) stops all of them, by PID.
 set -euo pipefail
 
@@ -15,7 +18,18 @@ PYTHON=${PYTHON:-python3}
 APP_PORT=8081
 STORE_ADDR=127.0.0.1:8380
 
-for f in "$ENVOY_BIN" "$IDEMSTORE_BIN" "$WASM"; do
+NATIVE=${NATIVE:-}
+MODULE=target/release/libidempotency_filter.so
+ENVOY_CONFIG=envoy/envoy.yaml
+if [[ "$NATIVE" == 1 ]]; then
+  ENVOY_CONFIG=envoy/native.yaml
+  REDIS=1
+  [[ -z "${REDIS_URL:-}" ]] || { echo "run: NATIVE=1 uses the Redis of envoy/native.yaml (127.0.0.1:6379); unset REDIS_URL" >&2; exit 1; }
+  need=("$ENVOY_BIN" "$MODULE")
+else
+  need=("$ENVOY_BIN" "$IDEMSTORE_BIN" "$WASM")
+fi
+for f in "${need[@]}"; do
   [[ -e "$f" ]] || { echo "run: $f is missing (make build / make envoy)" >&2; exit 1; }
 done
 
@@ -81,19 +95,24 @@ if [[ "${REDIS:-}" == 1 && -z "${REDIS_URL:-}" ]]; then
 fi
 
 store_args=(--listen "$STORE_ADDR")
-if [[ -n "${REDIS_URL:-}" ]]; then
+if [[ "$NATIVE" == 1 ]]; then
+  echo "run: the native host (envoy/native.yaml): the store runs in Envoy, on Redis at $REDIS_URL"
+elif [[ -n "${REDIS_URL:-}" ]]; then
   store_args+=(--redis "$REDIS_URL")
   echo "run: idemstore on Redis at $REDIS_URL"
 else
   echo "run: idemstore in memory (REDIS=1 starts a local Redis with envoy/redis.conf; REDIS_URL=redis://host:port uses yours)"
 fi
-"$IDEMSTORE_BIN" "${store_args[@]}" > >(sed -u 's/^/[idemstore] /') 2>&1 &
-pids+=($!)
+if [[ "$NATIVE" != 1 ]]; then
+  "$IDEMSTORE_BIN" "${store_args[@]}" > >(sed -u 's/^/[idemstore] /') 2>&1 &
+  pids+=($!)
+fi
 
 wait_http "http://127.0.0.1:$APP_PORT/healthz" "orders app"
-wait_http "http://$STORE_ADDR/healthz" "idemstore"
+[[ "$NATIVE" == 1 ]] || wait_http "http://$STORE_ADDR/healthz" "idemstore"
 
-"$ENVOY_BIN" -c envoy/envoy.yaml --disable-hot-restart --concurrency 2 -l "${ENVOY_LOG_LEVEL:-info}" \
+ENVOY_DYNAMIC_MODULES_SEARCH_PATH="$PWD/target/release" \
+"$ENVOY_BIN" -c "$ENVOY_CONFIG" --disable-hot-restart --concurrency 2 -l "${ENVOY_LOG_LEVEL:-info}" \
   > >(sed -u 's/^/[envoy] /') 2>&1 &
 pids+=($!)
 
@@ -101,6 +120,7 @@ wait_http "http://127.0.0.1:9901/ready" "envoy"
 # Envoy is ready before its first health check of idemstore passes; until then store calls fail
 # at once and guarded requests would run unguarded (counted on `degraded`).
 for _ in $(seq 100); do
+  [[ "$NATIVE" == 1 ]] && break
   if "$PYTHON" - <<'PY' 2>/dev/null; then break; fi
 import sys, urllib.request
 body = urllib.request.urlopen("http://127.0.0.1:9901/clusters", timeout=0.5).read().decode()
@@ -117,7 +137,7 @@ run: ready. Envoy on http://127.0.0.1:10000 (admin http://127.0.0.1:9901). Try:
   (the payments route's policy requires a key: 400, with a link to the published policy)
   curl -si -X POST localhost:10000/webhooks -H 'ce-specversion: 1.0' -H 'ce-id: evt-1' -H 'ce-source: /demo' -H 'ce-type: demo' -H 'content-type: application/json' -d '{}'
   (inbox mode: a redelivery of ce-id evt-1 is acknowledged without reaching the app)
-  curl -s 'localhost:9901/stats?filter=wasmcustom'
+  curl -s 'localhost:9901/stats?filter=wasmcustom'   (native host: filter=^idempotency\\.)
 Ctrl-C stops everything.
 
 EOF

@@ -9,7 +9,7 @@ and `redis` (`store: {"redis": "redis://..."}`), in front of the counting upstre
 
 from __future__ import annotations
 
-import json
+import re
 import signal
 import threading
 import time
@@ -214,3 +214,31 @@ def test_envoy_stops_cleanly_under_load(run_dir, upstream, redis):
                 t.join(5)
         assert code == 0, (round_, h.tail(envoy.proc.log))
         assert "panic" not in envoy.log_text()
+
+
+def test_the_shipped_native_yaml(run_dir, upstream, redis):
+    """envoy/native.yaml as shipped (its ports rewritten): orders replays, payments requires a
+    key, search is not guarded, and the gRPC replay listener's configuration loads."""
+    admin, listen = h.free_port(), h.free_port()
+    text = (h.ROOT / "envoy" / "native.yaml").read_text()
+    for old, new in ((9901, admin), (10000, listen), (8081, upstream.port), (6379, redis)):
+        text, n = re.subn(rf"\b{old}\b", str(new), text)
+        assert n >= 1, f"{old} is not in envoy/native.yaml"
+    path = run_dir / "native-shipped" / "native.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    proc = h.launch_envoy_file(run_dir / "native-shipped", "envoy-native-shipped", path, env=h.native_env())
+    envoy = h.await_envoy(h.Envoy(proc, admin, {"main": listen}))
+    try:
+        key = new_key()
+        first = h.request(listen, "POST", "/orders", b'{"item":"book"}', {"idempotency-key": key, **JSON})
+        assert_executed(first)
+        assert_replay_of(h.request(listen, "POST", "/orders", b'{"item":"book"}',
+                                   {"idempotency-key": key, **JSON}), first)
+        assert_problem(h.request(listen, "POST", "/payments", b"{}", JSON), 400, code="missing-key")
+        searched = h.request(listen, "POST", "/search", b"{}", {"idempotency-key": key, **JSON})
+        assert searched.status == 201 and searched.header("x-idempotent-replay") is None
+        assert upstream.count(key=key) == 2
+        assert envoy.counter("idempotency.guarded") == 2
+    finally:
+        envoy.stop()

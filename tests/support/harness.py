@@ -902,13 +902,14 @@ def spawn_envoy_with(run_dir: Path, name: str, listeners: dict[str, dict], clust
 
 
 def launch_envoy_file(run_dir: Path, name: str, path: Path, log_level: str = "info",
-                      concurrency: int = 2, extra_args: list[str] | None = None) -> Proc:
+                      concurrency: int = 2, extra_args: list[str] | None = None,
+                      env: dict | None = None) -> Proc:
     """Launch an Envoy from a config file as it is (e.g. a shipped YAML with its ports rewritten).
     `extra_args` go on its command line (e.g. `--file-flush-interval-msec 100`: Envoy writes
     file and stdout access logs every 10 s by default)."""
     argv = [envoy_bin(), "-c", str(path), "--base-id", str(next(_BASE_IDS)), "--disable-hot-restart",
             "--concurrency", str(concurrency), "-l", log_level] + list(extra_args or [])
-    return start(name, argv, run_dir)
+    return start(name, argv, run_dir, env=env)
 
 
 SHIPPED_ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
