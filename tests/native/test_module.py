@@ -107,8 +107,8 @@ def test_concurrent_duplicates_run_once(envoy, upstream, listener):
     out: dict[int, h.Response] = {}
 
     def send(i: int) -> None:
-        out[i] = h.request(port, "POST", "/orders?delay_ms=300", b"{}", {"idempotency-key": key, **JSON},
-                           timeout=10)
+        out[i] = h.request(port, "POST", "/orders", b"{}",
+                           {"idempotency-key": key, "x-test-sleep-ms": "300", **JSON}, timeout=10)
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(20)]
     for t in threads:
@@ -196,8 +196,8 @@ def test_envoy_stops_cleanly_under_load(run_dir, upstream, redis):
         def load() -> None:
             while not stop.is_set():
                 try:
-                    h.request(envoy.port("api"), "POST", "/orders?delay_ms=20", b"{}",
-                              {"idempotency-key": new_key("s")[:12], **JSON}, timeout=2)
+                    h.request(envoy.port("api"), "POST", "/orders", b"{}",
+                              {"idempotency-key": new_key("s")[:12], "x-test-sleep-ms": "20", **JSON}, timeout=2)
                 except Exception:
                     pass
 

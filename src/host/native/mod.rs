@@ -10,6 +10,7 @@
 //!   core's `StreamView`; `env`: the clock and the process-wide shared data; `metrics`.
 //! * `link`: how the store's threads hand a worker its answers (the stream schedulers), and why
 //!   that is safe at shutdown.
+//! * `trace`: the store's `tracing` lines into Envoy's log.
 //! * `settings`: the `store` key, checked (pure; unit-tested without the feature).
 
 mod settings;
@@ -28,5 +29,7 @@ mod metrics;
 mod module;
 #[cfg(feature = "native")]
 mod store;
+#[cfg(feature = "native")]
+mod trace;
 #[cfg(feature = "native")]
 mod view;

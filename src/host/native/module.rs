@@ -161,6 +161,7 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> abi::AbiVersionModul
         if log::set_logger(&LOGGER).is_ok() {
             log::set_max_level(log::LevelFilter::Trace);
         }
+        let _ = tracing::subscriber::set_global_default(super::trace::EnvoyTracing);
         abi::ABI_VERSION.as_ptr().cast()
     })
 }
