@@ -389,7 +389,7 @@ impl Worker {
 pub struct Filter {
     id: u32,
     worker: Option<Rc<Worker>>,
-    scheduler: Option<Scheduler>,
+    scheduler: Cell<Option<Scheduler>>,
     /// The machine is done with the stream: later hooks return at once.
     passive: Cell<bool>,
     /// `on_stream_done` was given.
@@ -402,21 +402,35 @@ impl Filter {
             return Filter {
                 id: 0,
                 worker: None,
-                scheduler: None,
+                scheduler: Cell::new(None),
                 passive: Cell::new(true),
                 done: Cell::new(true),
             };
         };
         let id = worker.new_stream();
         worker.vm.host().add_stream(id, envoy);
+        Filter {
+            id,
+            worker: Some(worker),
+            scheduler: Cell::new(None),
+            passive: Cell::new(false),
+            done: Cell::new(false),
+        }
+    }
+
+    /// A paused stream waits for the store's threads: its scheduler is how they wake the worker.
+    /// Made on the first pause only (most streams that are not guarded never pause).
+    fn wake_through(&self, w: &Worker, envoy: abi::HttpFilterEnvoyPtr) {
+        if self.scheduler.get().is_some() || envoy.is_null() {
+            return;
+        }
         // SAFETY: the stream is live; the scheduler is deleted in `destroy`, after the link
         // has let go of it.
         let scheduler = unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_new(envoy) };
-        let scheduler = (!scheduler.is_null()).then_some(Scheduler(scheduler));
-        if let Some(s) = scheduler {
-            worker.link.add_scheduler(id, s);
+        if !scheduler.is_null() {
+            self.scheduler.set(Some(Scheduler(scheduler)));
+            w.link.add_scheduler(self.id, Scheduler(scheduler));
         }
-        Filter { id, worker: Some(worker), scheduler, passive: Cell::new(false), done: Cell::new(false) }
     }
 
     fn event(
@@ -436,6 +450,9 @@ impl Filter {
         let Some(Stepped { action, done }) = stepped else { return Action::Continue };
         if done {
             self.passive.set(true);
+        }
+        if action == Action::Pause {
+            self.wake_through(w, envoy);
         }
         action
     }
@@ -458,7 +475,8 @@ impl Filter {
         self.stream_done(std::ptr::null_mut());
         let Some(w) = &self.worker else { return };
         w.vm.host().remove_stream(self.id);
-        if let Some(Scheduler(ptr)) = w.link.remove_scheduler(self.id).or(self.scheduler) {
+        if let Some(Scheduler(ptr)) = self.scheduler.get() {
+            w.link.remove_scheduler(self.id);
             // SAFETY: ours, out of the link (no other thread commits it any more), deleted once.
             unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_delete(ptr) };
         }
