@@ -297,3 +297,35 @@ def _quiet(fn) -> None:
         fn()
     except OSError:
         pass
+
+
+def test_frozen_redis_is_bounded_by_store_timeout(run_dir, upstream, redis, note):
+    """Redis frozen (SIGSTOP): its client would wait `store.timeout_ms` (5 s here), but the
+    coordinator's deadline (`store_timeout_ms` 300 + `lock_wait_ms` 200, swept on the worker's
+    tick) fails each request open within it, counted on `degraded`; after SIGCONT the guarantee
+    is back."""
+    envoy = start_native(run_dir / "native-drills", "envoy-freeze", upstream.port,
+                         {"store": {"redis": redis.url, "timeout_ms": 5000}, "store_timeout_ms": 300,
+                          "lock_wait_ms": 200, "breaker_open_ms": 0})
+    try:
+        before = counters(envoy)
+        redis.proc.popen.send_signal(signal.SIGSTOP)
+        held = []
+        try:
+            for _ in range(3):
+                t0 = time.monotonic()
+                r = h.request(envoy.port("main"), "POST", "/orders", b"{}", [("Idempotency-Key", new_key("nfrz")), JSON],
+                              timeout=10)
+                held.append(time.monotonic() - t0)
+                assert r.status == 201 and r.header("x-upstream-id"), r
+        finally:
+            redis.proc.popen.send_signal(signal.SIGCONT)
+        assert all(0.45 <= x < 1.5 for x in held), held
+        assert counter_delta(counters(envoy), before)["degraded"] == 3
+        key = new_key("nfrz-after")
+        h.wait_for(lambda: h.request(envoy.port("main"), "POST", "/orders", b"{}", [("Idempotency-Key", key), JSON])
+                   .header("x-idempotent-replay") == "true", "a replay once Redis runs again", timeout=15)
+        note(f"native Redis frozen: 3 requests failed open after {', '.join(ms(x) for x in held)} "
+             f"(store_timeout_ms 300 + lock_wait_ms 200), guarded again after SIGCONT")
+    finally:
+        envoy.stop()

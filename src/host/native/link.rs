@@ -47,8 +47,11 @@ pub struct Link {
     state: Mutex<State>,
     /// Events are waiting: read without the lock at the start of every hook.
     pending: AtomicBool,
-    /// Bumped by every new tick period: an older ticker stops.
-    tick_generation: AtomicU64,
+    /// The coordinator's tick period in ms (0: none), read by the link's ticker ...
+    tick_ms: AtomicU64,
+    /// ... started once, and woken when a period is set again.
+    ticking: AtomicBool,
+    tick_set: tokio::sync::Notify,
 }
 
 impl Default for Link {
@@ -56,7 +59,9 @@ impl Default for Link {
         Link {
             state: Mutex::new(State::default()),
             pending: AtomicBool::new(false),
-            tick_generation: AtomicU64::new(0),
+            tick_ms: AtomicU64::new(0),
+            ticking: AtomicBool::new(false),
+            tick_set: tokio::sync::Notify::new(),
         }
     }
 }
@@ -130,26 +135,32 @@ impl Link {
         std::mem::take(&mut state.events)
     }
 
-    /// Ticks every `period` on `runtime` from now on (zero: none).
+    /// Ticks every `period` from now on (zero: none). One ticker per link, on the store's
+    /// threads, started the first time: the coordinator turns its tick on and off around every
+    /// store call, which must cost no more than two stores.
     pub fn set_tick(self: &Arc<Self>, period: Duration, runtime: &tokio::runtime::Handle) {
-        let generation = self.tick_generation.fetch_add(1, Ordering::AcqRel) + 1;
-        if period.is_zero() {
-            return;
+        let ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
+        self.tick_ms.store(ms, Ordering::Release);
+        if !self.ticking.swap(true, Ordering::AcqRel) {
+            let link = Arc::clone(self);
+            runtime.spawn(async move { link.tick().await });
+        } else if ms > 0 {
+            self.tick_set.notify_one();
         }
-        let link = Arc::clone(self);
-        runtime.spawn(async move {
-            let mut interval = tokio::time::interval(period);
-            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            interval.tick().await;
-            loop {
-                interval.tick().await;
-                // A ticker outlives its period's change by one tick at most, and the store's
-                // threads stop with the configuration.
-                if link.tick_generation.load(Ordering::Acquire) != generation {
-                    return;
-                }
-                link.push(Event::Tick);
+    }
+
+    async fn tick(&self) {
+        loop {
+            let ms = self.tick_ms.load(Ordering::Acquire);
+            if ms == 0 {
+                // A permit left by a `notify_one` with no waiter is taken here: no period is missed.
+                self.tick_set.notified().await;
+                continue;
             }
-        });
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            if self.tick_ms.load(Ordering::Acquire) > 0 {
+                self.push(Event::Tick);
+            }
+        }
     }
 }

@@ -43,7 +43,7 @@ pub struct StoreSettings {
 pub const DEFAULT_MEMORY_MAX_KEYS: usize = 1_000_000;
 pub const DEFAULT_MEMORY_MAX_BYTES: usize = 1024 * 1024 * 1024;
 pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
-pub const DEFAULT_THREADS: usize = 2;
+pub const DEFAULT_THREADS: usize = 1;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

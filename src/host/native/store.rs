@@ -41,9 +41,17 @@ impl<B: StoreBackend> Serve for Served<B> {
     }
 }
 
+/// How the store's threads are stopped: a multi-threaded runtime is shut down; a single
+/// thread (the default: every call's hops stay on one thread, the fewest wake-ups) runs its
+/// runtime until told to stop.
+enum Threads {
+    Many(Runtime),
+    One(tokio::sync::oneshot::Sender<()>),
+}
+
 /// The runtime (stopped with the filter's configuration) and the store on it.
 pub struct InProcess {
-    runtime: Mutex<Option<Runtime>>,
+    threads: Mutex<Option<Threads>>,
     handle: Handle,
     /// `None`: no store (mint and grpc_replay modes make no calls); the threads only tick.
     serve: Option<Arc<dyn Serve>>,
@@ -51,27 +59,44 @@ pub struct InProcess {
     pub describe: String,
 }
 
+fn start_threads(threads: usize) -> Result<(Threads, Handle), String> {
+    let failed = |e: std::io::Error| format!("cannot start the store's threads: {e}");
+    if threads > 1 {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("idempotency-store")
+            .enable_all()
+            .build()
+            .map_err(failed)?;
+        let handle = runtime.handle().clone();
+        return Ok((Threads::Many(runtime), handle));
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(failed)?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = runtime.handle().clone();
+    std::thread::Builder::new()
+        .name("idempotency-store".into())
+        // Its tasks run while it waits; a stop (or the sender dropped) ends them with the runtime.
+        .spawn(move || runtime.block_on(async move { stopped.await.unwrap_or(()) }))
+        .map_err(failed)?;
+    Ok((Threads::One(stop), handle))
+}
+
 impl InProcess {
     /// Starts the threads and the backend (a Redis backend connects in the background: an
     /// unreachable Redis fails calls, not the configuration).
     pub fn start(settings: Option<&StoreSettings>, max_record_bytes: usize) -> Result<InProcess, String> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(settings.map_or(1, |s| s.threads))
-            .thread_name("idempotency-store")
-            .enable_all()
-            .build()
-            .map_err(|e| format!("cannot start the store's threads: {e}"))?;
-        let handle = runtime.handle().clone();
+        let (threads, handle) = start_threads(settings.map_or(1, |s| s.threads))?;
         // The backends spawn their connection and subscription tasks on the current runtime.
         let (serve, describe) = match settings {
             Some(settings) => {
-                let _entered = runtime.enter();
+                let _entered = handle.enter();
                 let (serve, describe) = backend(settings, max_record_bytes)?;
                 (Some(serve), describe)
             }
             None => (None, "none".to_string()),
         };
-        Ok(InProcess { runtime: Mutex::new(Some(runtime)), handle, serve, describe })
+        Ok(InProcess { threads: Mutex::new(Some(threads)), handle, serve, describe })
     }
 
     pub fn handle(&self) -> &Handle {
@@ -94,9 +119,13 @@ impl InProcess {
     /// Stops the threads without waiting for them: calls in flight end unanswered (their
     /// streams are gone: Envoy destroys a configuration after its last stream).
     pub fn stop(&self) {
-        let runtime = self.runtime.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-        if let Some(runtime) = runtime {
-            runtime.shutdown_background();
+        let threads = self.threads.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        match threads {
+            Some(Threads::Many(runtime)) => runtime.shutdown_background(),
+            Some(Threads::One(stop)) => {
+                let _ = stop.send(());
+            }
+            None => {}
         }
     }
 }
