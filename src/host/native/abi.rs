@@ -650,7 +650,7 @@ extern "C" {
     ) -> MetricsResult;
 
     /// `..._http_filter_config_define_gauge` (S1: same shape as `define_counter`). Only in
-    /// `on_http_filter_config_new` (Frozen after). [sym][run]: `test_native.py` reads the
+    /// `on_http_filter_config_new` (Frozen after). [sym][run]: `tests/native/test_module.py` reads the
     /// gauges in `/stats`.
     pub fn envoy_dynamic_module_callback_http_filter_config_define_gauge(
         filter_config_envoy_ptr: HttpFilterConfigEnvoyPtr,
