@@ -242,3 +242,24 @@ def test_the_shipped_native_yaml(run_dir, upstream, redis):
         assert envoy.counter("idempotency.guarded") == 2
     finally:
         envoy.stop()
+
+
+def test_an_envoy_without_a_callback_the_module_calls_refuses_it(run_dir, upstream):
+    """Another Envoy than 1.40 may lack a callback the bindings call: the module says so in one
+    line at load and Envoy refuses to start, rather than crashing on the first call. (The
+    missing callback is named through IDEMPOTENCY_MODULE_REQUIRE: there is one Envoy here.)"""
+    admin, port = h.free_port(), h.free_port()
+    config = {"admin": {"address": {"socket_address": {"address": h.LOOPBACK, "port_value": admin}}},
+              "static_resources": {"listeners": [h.listener("api", port, [h.native_filter({"store": {"memory": True}})])],
+                                   "clusters": [h.static_cluster("upstream", upstream.port)]}}
+    env = {**h.native_env(), "IDEMPOTENCY_MODULE_REQUIRE": "envoy_dynamic_module_callback_from_envoy_9_99"}
+    envoy = h.spawn_envoy_config(run_dir / "native-refused", "envoy-abi", config, admin, {"api": port}, env=env)
+    try:
+        h.wait_for(lambda: envoy.proc.popen.poll() is not None, "Envoy to refuse the module", timeout=20)
+        assert envoy.proc.popen.returncode != 0
+        log = envoy.log_text()
+        lines = [ln for ln in log.splitlines() if "built for Envoy 1.40" in ln]
+        assert len(lines) == 1 and "envoy_dynamic_module_callback_from_envoy_9_99" in lines[0], log[-3000:]
+        assert "on_program_init returned null" in log
+    finally:
+        envoy.stop()
