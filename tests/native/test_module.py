@@ -131,6 +131,12 @@ def test_metrics_are_the_modules(envoy, upstream):
     for name in ("executed", "replayed", "stored", "store_stream_calls", "local_records"):
         assert f"idempotency.{name}" in stats, sorted(stats)
 
+    # The store latency histograms, once Envoy has flushed its stats (every 5 s by default).
+    def histogram() -> str:
+        return h.http_get_status(envoy.admin_port, "/stats?filter=store_us.begin", timeout=5)[1].decode()
+
+    h.wait_for(lambda: "idempotency.store_us.begin: P0(" in histogram(), "the begin latency histogram", timeout=15)
+
 
 def test_outcome_and_instance_in_the_access_log(envoy, run_dir):
     key = new_key()
