@@ -269,3 +269,19 @@ def test_an_envoy_without_a_callback_the_module_calls_refuses_it(run_dir, upstre
         assert "on_program_init returned null" in log
     finally:
         envoy.stop()
+
+
+@pytest.mark.parametrize("listener", ["memory"])
+def test_a_body_in_many_chunks_hashes_as_one(envoy, upstream, listener):
+    """The module reads each new body chunk once (buffered + received): a 600 KB body sent in
+    60 chunks, then in one piece, is one request; a change in its last byte is another."""
+    key = new_key()
+    port = envoy.port(listener)
+    body = bytes(range(256)) * 2400
+    chunks = [body[i:i + 10_240] for i in range(0, len(body), 10_240)]
+    first = h.request(port, "POST", "/orders", chunks, {"idempotency-key": key, **JSON})
+    assert_executed(first)
+    assert_replay_of(h.request(port, "POST", "/orders", body, {"idempotency-key": key, **JSON}), first)
+    assert_problem(h.request(port, "POST", "/orders", body[:-1] + b"x", {"idempotency-key": key, **JSON}), 422, key,
+                   code="key-reused")
+    assert upstream.count(key=key) == 1

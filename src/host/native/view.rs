@@ -80,32 +80,46 @@ impl NativeView {
         values
     }
 
-    fn body(&self, buffered: HttpBodyType, received: HttpBodyType) -> Vec<u8> {
+    /// The chunks of one body buffer, appended to `out`.
+    fn chunks(&self, kind: HttpBodyType, out: &mut Vec<u8>) {
+        if self.filter.is_null() {
+            return;
+        }
+        // SAFETY: as in `headers`: the chunks are Envoy's, copied during the hook.
+        unsafe {
+            let n = abi::envoy_dynamic_module_callback_http_get_body_chunks_size(self.filter, kind);
+            if n == 0 {
+                return;
+            }
+            let mut chunks = vec![EnvoyBuffer::null(); n];
+            if abi::envoy_dynamic_module_callback_http_get_body_chunks(self.filter, kind, chunks.as_mut_ptr())
+            {
+                for chunk in &chunks {
+                    out.extend_from_slice(chunk.as_bytes());
+                }
+            }
+        }
+    }
+
+    /// `len` bytes from `start` of what earlier body hooks left buffered followed by (in a body
+    /// hook) the data of this one. A read that starts past the buffered part (the machine reads
+    /// only what is new) copies the new data alone.
+    fn body(&self, buffered: HttpBodyType, received: HttpBodyType, start: usize, len: usize) -> Vec<u8> {
         let mut body = Vec::new();
         if self.filter.is_null() {
             return body;
         }
-        // What earlier body hooks left buffered, then (in a body hook) the data of this one.
-        for kind in [buffered, received] {
-            // SAFETY: as in `headers`: the chunks are Envoy's, copied during the hook.
-            unsafe {
-                let n = abi::envoy_dynamic_module_callback_http_get_body_chunks_size(self.filter, kind);
-                if n == 0 {
-                    continue;
-                }
-                let mut chunks = vec![EnvoyBuffer::null(); n];
-                if abi::envoy_dynamic_module_callback_http_get_body_chunks(
-                    self.filter,
-                    kind,
-                    chunks.as_mut_ptr(),
-                ) {
-                    for chunk in &chunks {
-                        body.extend_from_slice(chunk.as_bytes());
-                    }
-                }
-            }
-        }
-        body
+        // SAFETY: a size query on the live stream of the running hook.
+        let held = unsafe { abi::envoy_dynamic_module_callback_http_get_body_size(self.filter, buffered) };
+        let start = if start >= held {
+            self.chunks(received, &mut body);
+            start - held
+        } else {
+            self.chunks(buffered, &mut body);
+            self.chunks(received, &mut body);
+            start
+        };
+        slice(body, start, len)
     }
 
     /// The size of the request body so far (buffered and, in a body hook, received).
@@ -221,13 +235,16 @@ impl StreamView for NativeView {
     }
 
     fn request_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
-        let body = self.body(HttpBodyType::BUFFERED_REQUEST_BODY, HttpBodyType::RECEIVED_REQUEST_BODY);
-        Some(slice(body, start, len))
+        Some(self.body(HttpBodyType::BUFFERED_REQUEST_BODY, HttpBodyType::RECEIVED_REQUEST_BODY, start, len))
     }
 
     fn response_body(&self, start: usize, len: usize) -> Option<Vec<u8>> {
-        let body = self.body(HttpBodyType::BUFFERED_RESPONSE_BODY, HttpBodyType::RECEIVED_RESPONSE_BODY);
-        Some(slice(body, start, len))
+        Some(self.body(
+            HttpBodyType::BUFFERED_RESPONSE_BODY,
+            HttpBodyType::RECEIVED_RESPONSE_BODY,
+            start,
+            len,
+        ))
     }
 
     fn response_trailers(&self) -> Pairs {
