@@ -10,8 +10,9 @@
 #   make run      the local stack in the foreground (Envoy :10000, admin :9901, demo app, idemstore);
 #                 NATIVE=1: the native host (envoy/native.yaml, the store in Envoy, a local Redis)
 #   make demo     the local stack plus a scripted story against it; exits 0 if every step behaved
-#   make image    OCI images of the filter (/plugin.wasm) and idemstore (static, non-root), built
-#                 without a container engine: layouts and docker archives in target/images/
+#   make image    OCI images of the filter (/plugin.wasm), its native host (the dynamic module, to
+#                 copy into an Envoy 1.40 image) and idemstore (static, non-root), built without a
+#                 container engine: layouts and docker archives in target/images/
 #   make image-test  make image, then tests/operations/test_images.py against what it wrote
 #                 (make test runs both: image before e2e)
 #   make bench    throughput (wrk) and latency against a no-filter Envoy in the same run, profiles;
@@ -326,10 +327,16 @@ demo: build envoy
 
 ## ---- images --------------------------------------------------------------------------------
 
-# `make image [IMAGE_REGISTRY=... IMAGE_TAG=...]` builds both images with umoci, no container
+# `make image [IMAGE_REGISTRY=... IMAGE_TAG=...]` builds the three images with umoci, no container
 # engine involved, into target/images/:
 #   idempotency-filter/  OCI layout, tag $(IMAGE_TAG): one layer holding /plugin.wasm, no
 #                        entrypoint (the compat layout Istio's WasmPlugin and Envoy Gateway pull)
+#   idempotency-filter-native/  OCI layout: one layer holding the dynamic module (the glibc
+#                        build of `make build-native`, 0644) in /usr/local/lib/envoy/dynamic_modules
+#                        and the folders leading to it, nothing else; no entrypoint, Env
+#                        ENVOY_DYNAMIC_MODULES_SEARCH_PATH=<that folder>. Not run on its own:
+#                        envoy/Dockerfile.native copies the folder into envoyproxy/envoy:v1.40.0
+#                        (x86_64, glibc; docs/native.md)
 #   idemstore/           OCI layout: one layer holding the static (musl) idemstore at
 #                        /usr/local/bin/idemstore and nothing else; user 65532:65532,
 #                        IDEMSTORE_LISTEN=0.0.0.0:8380, port 8380
@@ -342,7 +349,10 @@ demo: build envoy
 IMAGE_REGISTRY ?= localhost
 IMAGE_TAG ?= 0.1.0
 WASM_IMAGE := $(IMAGE_REGISTRY)/idempotency-filter:$(IMAGE_TAG)
+NATIVE_IMAGE := $(IMAGE_REGISTRY)/idempotency-filter-native:$(IMAGE_TAG)
 IDEMSTORE_IMAGE := $(IMAGE_REGISTRY)/idemstore:$(IMAGE_TAG)
+# Where the native image holds the module, and the Envoy image of envoy/Dockerfile.native too.
+NATIVE_MODULE_DIR := /usr/local/lib/envoy/dynamic_modules
 IMAGES_DIR := target/images
 HOST_ARCH := $(shell uname -m)
 MUSL_TARGET := $(HOST_ARCH)-unknown-linux-musl
@@ -351,12 +361,17 @@ IMAGE_ARCH := $(patsubst x86_64,amd64,$(patsubst aarch64,arm64,$(HOST_ARCH)))
 IMAGE_EPOCH := $(or $(SOURCE_DATE_EPOCH),$(shell git log -1 --format=%ct 2>/dev/null),0)
 # What tests/operations/test_images.py reads (make e2e and make image-test pass it).
 IMAGE_TEST_ENV := IMAGES_DIR="$(CURDIR)/$(IMAGES_DIR)" IMAGE_TAG="$(IMAGE_TAG)" \
-  IMAGE_FILTER_REF="$(WASM_IMAGE)" IMAGE_IDEMSTORE_REF="$(IDEMSTORE_IMAGE)" \
-  IMAGE_IDEMSTORE_BIN="$(IDEMSTORE_STATIC)"
+  IMAGE_FILTER_REF="$(WASM_IMAGE)" IMAGE_NATIVE_REF="$(NATIVE_IMAGE)" \
+  IMAGE_IDEMSTORE_REF="$(IDEMSTORE_IMAGE)" IMAGE_IDEMSTORE_BIN="$(IDEMSTORE_STATIC)"
 
 FILTER_IMAGE_CONFIG := \
   --config.label org.opencontainers.image.title=idempotency-filter \
   --config.label "org.opencontainers.image.description=Idempotency-Key filter for Envoy (proxy-wasm; root_id idempotency)" \
+  --config.label org.opencontainers.image.licenses=Apache-2.0
+NATIVE_IMAGE_CONFIG := \
+  --config.env ENVOY_DYNAMIC_MODULES_SEARCH_PATH=$(NATIVE_MODULE_DIR) \
+  --config.label org.opencontainers.image.title=idempotency-filter-native \
+  --config.label "org.opencontainers.image.description=Idempotency-Key filter as an Envoy 1.40 dynamic module (libidempotency_filter.so, glibc)" \
   --config.label org.opencontainers.image.licenses=Apache-2.0
 IDEMSTORE_IMAGE_CONFIG := \
   --config.user 65532:65532 \
@@ -403,22 +418,32 @@ MUSL_CC_VAR := CC_$(subst -,_,$(MUSL_TARGET))
 build-idemstore-static: musl-target
 	$(MUSL_CC_VAR)="$${$(MUSL_CC_VAR):-cc}" $(CARGO) build --release --target $(MUSL_TARGET) -p idemstore
 
-image: build-wasm build-idemstore-static image-tools
+image: build-wasm build-native build-idemstore-static image-tools
 	@stage="$(IMAGES_DIR)/.idempotency-filter.rootfs"; rm -rf "$$stage"; \
 	install -D -m 0644 "$(WASM)" "$$stage/plugin.wasm"; \
 	$(call oci_image,idempotency-filter,$(WASM_IMAGE),$$stage,plugin.wasm,$(FILTER_IMAGE_CONFIG))
+	@stage="$(IMAGES_DIR)/.idempotency-filter-native.rootfs"; rm -rf "$$stage"; \
+	dir=""; for part in $(subst /, ,$(NATIVE_MODULE_DIR)); do \
+	  dir="$$dir/$$part"; install -d -m 0755 "$$stage$$dir"; \
+	done; \
+	install -m 0644 "$(MODULE)" "$$stage$(NATIVE_MODULE_DIR)/libidempotency_filter.so"; \
+	$(call oci_image,idempotency-filter-native,$(NATIVE_IMAGE),$$stage,usr,$(NATIVE_IMAGE_CONFIG))
 	@stage="$(IMAGES_DIR)/.idemstore.rootfs"; rm -rf "$$stage"; \
 	install -d -m 0755 "$$stage/usr" "$$stage/usr/local" "$$stage/usr/local/bin"; \
 	install -m 0755 "$(IDEMSTORE_STATIC)" "$$stage/usr/local/bin/idemstore"; \
 	$(call oci_image,idemstore,$(IDEMSTORE_IMAGE),$$stage,usr,$(IDEMSTORE_IMAGE_CONFIG))
 	@echo "image: push with (\`skopeo login <registry>\` first; \`make image IMAGE_REGISTRY=<registry>\` names the images for it):"
 	@echo "  skopeo copy oci:$(IMAGES_DIR)/idempotency-filter:$(IMAGE_TAG) docker://$(WASM_IMAGE)"
+	@echo "  skopeo copy oci:$(IMAGES_DIR)/idempotency-filter-native:$(IMAGE_TAG) docker://$(NATIVE_IMAGE)"
 	@echo "  skopeo copy oci:$(IMAGES_DIR)/idemstore:$(IMAGE_TAG) docker://$(IDEMSTORE_IMAGE)"
 	@echo "image: into a local Docker engine: docker load -i $(IMAGES_DIR)/<name>.tar (the compose demo runs localhost/idemstore:0.1.0, the default name)"
+	@echo "image: Envoy 1.40 with the module (after docker load -i $(IMAGES_DIR)/idempotency-filter-native.tar, or from a registry):"
+	@echo "  docker buildx build --load -f envoy/Dockerfile.native --build-arg MODULE_IMAGE=$(NATIVE_IMAGE) -t <name> ."
 
-# The images, then tests/operations/test_images.py against them (make test runs the same test in e2e).
-image-test: image venv
-	$(IMAGE_TEST_ENV) IMAGE_TEST=1 FILTER_WASM="$(WASM)" \
+# The images, then tests/operations/test_images.py against them (make test runs the same test in
+# e2e); Envoy loads the native image's module from its unpacked layer.
+image-test: image venv envoy
+	$(IMAGE_TEST_ENV) IMAGE_TEST=1 FILTER_WASM="$(WASM)" FILTER_MODULE="$(MODULE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  timeout --kill-after=10 300 "$(TEST_PYTHON)" -m pytest tests/operations/test_images.py $(PYTEST_ARGS)
 
 clean:

@@ -4,6 +4,14 @@ blob here (no container engine, and not through umoci, which wrote them).
 * The filter image: one layer, `application/vnd.oci.image.layer.v1.tar+gzip` (the compat layout
   Istio's fetcher reads from the last layer), whose only entry is `plugin.wasm`, byte-identical
   to the wasm build; no entrypoint.
+* The native image (the dynamic module, to copy into an Envoy 1.40 image): no entrypoint, Env
+  ENVOY_DYNAMIC_MODULES_SEARCH_PATH=/usr/local/lib/envoy/dynamic_modules; one layer holding that
+  folder's parents, the folder and libidempotency_filter.so (root's, 0644), byte-identical to
+  `make build-native`'s, nothing else. The module is a glibc shared library Envoy's image can
+  load: x86-64, no library but glibc's and libgcc_s, no glibc symbol newer than the Envoy
+  image's. Unpacked, the real Envoy 1.40 loads it from there (ENVOY_DYNAMIC_MODULES_SEARCH_PATH
+  the unpacked folder, as the image sets it) and a retry is replayed. envoy/Dockerfile.native
+  copies that folder from that image into envoyproxy/envoy:v1.40.0 and sets the same variable.
 * The idemstore image: User 65532:65532, Entrypoint /usr/local/bin/idemstore, Env
   IDEMSTORE_LISTEN=0.0.0.0:8380, ExposedPorts 8380/tcp; one layer holding the binary and the
   directories leading to it, nothing else; the binary is the static (musl) build, with no ELF
@@ -13,11 +21,12 @@ blob here (no container engine, and not through umoci, which wrote them).
   own `insert` once left them out), the configs' diff_ids match the layers.
 * The docker archives (`docker load`'s format) name the image as `make image` did, with the
   same config and layer as the layout.
-* The compose file and the Istio manifests refer to the images by the names `make image` gives
-  them with its defaults.
+* The compose file, the Istio manifests and envoy/Dockerfile.native refer to the images by the
+  names `make image` gives them with its defaults.
 
 Paths and names come from the environment (the Makefile passes them): IMAGES_DIR, IMAGE_TAG,
-IMAGE_FILTER_REF, IMAGE_IDEMSTORE_REF, IMAGE_IDEMSTORE_BIN, FILTER_WASM. Without the layouts the
+IMAGE_FILTER_REF, IMAGE_NATIVE_REF, IMAGE_IDEMSTORE_REF, IMAGE_IDEMSTORE_BIN, FILTER_WASM,
+FILTER_MODULE, ENVOY_BIN. Without the layouts the
 image tests skip, unless IMAGE_TEST is set (make test, make image-test), where they fail.
 """
 
@@ -40,6 +49,7 @@ import pytest
 import yaml
 
 from support import harness as h
+from support.checks import assert_executed, assert_replay_of
 
 
 def _default_ref(name: str) -> str:
@@ -52,10 +62,12 @@ def _default_ref(name: str) -> str:
 
 
 DEFAULT_FILTER_REF = _default_ref("idempotency-filter")
+DEFAULT_NATIVE_REF = _default_ref("idempotency-filter-native")
 DEFAULT_IDEMSTORE_REF = _default_ref("idemstore")
 
 IMAGES_DIR = Path(os.environ.get("IMAGES_DIR") or h.ROOT / "target" / "images")
 FILTER_REF = os.environ.get("IMAGE_FILTER_REF") or DEFAULT_FILTER_REF
+NATIVE_REF = os.environ.get("IMAGE_NATIVE_REF") or DEFAULT_NATIVE_REF
 IDEMSTORE_REF = os.environ.get("IMAGE_IDEMSTORE_REF") or DEFAULT_IDEMSTORE_REF
 IMAGE_TAG = os.environ.get("IMAGE_TAG") or DEFAULT_FILTER_REF.rsplit(":", 1)[1]
 IDEMSTORE_STATIC = Path(
@@ -63,6 +75,18 @@ IDEMSTORE_STATIC = Path(
     or h.ROOT / "target" / f"{os.uname().machine}-unknown-linux-musl" / "release" / "idemstore")
 
 IDEMSTORE_PATH = "usr/local/bin/idemstore"
+# The native image's module, where envoy/Dockerfile.native copies it from (docs/native.md).
+NATIVE_MODULE_DIR = "usr/local/lib/envoy/dynamic_modules"
+NATIVE_MODULE_PATH = f"{NATIVE_MODULE_DIR}/libidempotency_filter.so"
+NATIVE_DOCKERFILE = h.ROOT / "envoy" / "Dockerfile.native"
+# What the module may link: glibc's libraries and libgcc_s (Rust's unwinder), which the Ubuntu of
+# envoyproxy/envoy's image has (its distroless variant has no libgcc_s).
+NATIVE_NEEDED = {"libc.so.6", "libm.so.6", "libgcc_s.so.1", "ld-linux-x86-64.so.2",
+                 "libpthread.so.0", "libdl.so.2", "librt.so.1"}
+# The newest glibc symbol version the module may ask for: Ubuntu 22.04's glibc, the base of
+# envoyproxy/envoy's images (Envoy's distribution/docker/Dockerfile-envoy). A module built on a
+# newer glibc may ask for symbols that Envoy's image does not have, and fail to load there.
+NATIVE_GLIBC_MAX = (2, 35)
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
@@ -178,6 +202,88 @@ def elf_static(data: bytes) -> tuple[bool, str]:
     return True, "static"
 
 
+@dataclass
+class Elf:
+    type: int  # e_type: 3 is ET_DYN, a shared object
+    machine: int  # e_machine: 62 is x86-64, 183 AArch64
+    interp: bool  # a PT_INTERP segment (an executable's)
+    needed: list[str]  # DT_NEEDED
+    glibc: list[tuple[int, ...]]  # the GLIBC_x.y versions of .gnu.version_r
+    exports: set[str]  # defined dynamic symbols
+
+
+def elf_dynamic(data: bytes) -> Elf:
+    """The dynamic-linking facts of a 64-bit little-endian ELF file, from its section headers."""
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit little-endian ELF file"
+    e_type, e_machine = struct.unpack_from("<HH", data, 0x10)
+    (phoff, shoff) = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    interp = any(struct.unpack_from("<I", data, phoff + i * phentsize)[0] == 3 for i in range(phnum))
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+
+    def string(strtab: int, off: int) -> str:
+        start = sections[strtab][4] + off
+        return data[start:data.index(b"\0", start)].decode()
+
+    needed, glibc, exports = [], [], set()
+    for _, sh_type, _, _, offset, size, link, info, _, entsize in sections:
+        if sh_type == 6:  # SHT_DYNAMIC
+            for off in range(offset, offset + size, 16):
+                d_tag, d_val = struct.unpack_from("<qQ", data, off)
+                if d_tag == 0:
+                    break
+                if d_tag == 1:  # DT_NEEDED
+                    needed.append(string(link, d_val))
+        elif sh_type == 0x6FFFFFFE:  # SHT_GNU_verneed: Verneed entries, each with its Vernaux
+            off = offset
+            for _ in range(info):
+                _, vn_cnt, _, vn_aux, vn_next = struct.unpack_from("<HHIII", data, off)
+                aux = off + vn_aux
+                for _ in range(vn_cnt):
+                    _, _, _, vna_name, vna_next = struct.unpack_from("<IHHII", data, aux)
+                    name = string(link, vna_name)
+                    if name.startswith("GLIBC_2"):
+                        glibc.append(tuple(int(x) for x in name[len("GLIBC_"):].split(".")))
+                    aux += vna_next
+                off += vn_next
+        elif sh_type == 11:  # SHT_DYNSYM
+            for off in range(offset, offset + size, entsize):
+                st_name, _, _, st_shndx = struct.unpack_from("<IBBH", data, off)
+                if st_name and st_shndx:  # defined here, not imported
+                    exports.add(string(link, st_name))
+    return Elf(e_type, e_machine, interp, needed, glibc, exports)
+
+
+def dockerfile(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or (not pending and not stripped):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        word, _, rest = (pending + stripped).strip().partition(" ")
+        pending = ""
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def unpack(layer: list[Entry], rootfs: Path) -> None:
+    """A layer's directories and regular files under rootfs, with their modes."""
+    rootfs.mkdir()
+    for e in layer:
+        path = rootfs / e.name
+        if e.type == tarfile.DIRTYPE:
+            path.mkdir(exist_ok=True)
+        else:
+            assert e.type == tarfile.REGTYPE, e
+            path.write_bytes(e.data)
+        path.chmod(e.mode & 0o7777)
+    rootfs.chmod(0o755)
+
+
 # --------------------------------------------------------------------------------------------
 # fixtures
 # --------------------------------------------------------------------------------------------
@@ -207,6 +313,11 @@ def same_as_build(data: bytes, build: Path, what: str) -> bool:
 @pytest.fixture(scope="module")
 def filter_image() -> Image:
     return _image("idempotency-filter")
+
+
+@pytest.fixture(scope="module")
+def native_image() -> Image:
+    return _image("idempotency-filter-native")
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +355,123 @@ def test_filter_image_config(filter_image):
 
 
 # --------------------------------------------------------------------------------------------
+# the native image
+# --------------------------------------------------------------------------------------------
+
+
+def image_arch() -> str:
+    return {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+
+
+def test_native_image_config(native_image):
+    """Nothing to run (the image is copied from, not run): no entrypoint, command, user or port;
+    the one variable an Envoy needs to find the module, pointing at its folder."""
+    cfg = native_image.config
+    assert cfg["os"] == "linux"
+    assert cfg["architecture"] == image_arch()
+    inner = cfg.get("config") or {}
+    for key in ("Entrypoint", "Cmd", "User", "ExposedPorts", "WorkingDir", "Volumes"):
+        assert not inner.get(key), f"{key}: {inner.get(key)!r}"
+    assert inner["Env"] == [f"ENVOY_DYNAMIC_MODULES_SEARCH_PATH=/{NATIVE_MODULE_DIR}"]
+    labels = inner.get("Labels", {})
+    assert labels.get("org.opencontainers.image.title") == "idempotency-filter-native"
+    assert labels.get("org.opencontainers.image.licenses") == "Apache-2.0"
+    assert len(cfg.get("history", [])) == len(native_image.layers)
+
+
+def test_native_image_holds_the_module_only(native_image):
+    """One layer: the folders down to usr/local/lib/envoy/dynamic_modules (root's, 0755) and the
+    module in it (root's, 0644: a library, read by whichever user Envoy runs as), nothing else.
+    The module is `make build-native`'s, byte for byte: a glibc shared object of this machine
+    that exports the module ABI's entry point and links nothing Envoy's image lacks."""
+    assert len(native_image.layers) == 1, native_image.manifest
+    (entries,) = native_image.layers
+    names = [(e.name.rstrip("/"), e.type) for e in entries]
+    parts = NATIVE_MODULE_DIR.split("/")
+    folders = [("/".join(parts[:n]), tarfile.DIRTYPE) for n in range(1, len(parts) + 1)]
+    assert names == [*folders, (NATIVE_MODULE_PATH, tarfile.REGTYPE)], names
+    for e in entries:
+        mode = 0o755 if e.type == tarfile.DIRTYPE else 0o644
+        assert (e.uid, e.gid, e.mode & 0o7777) == (0, 0, mode), e
+    module = entries[-1].data
+    build = Path(h.native_module())
+    assert same_as_build(module, build, NATIVE_MODULE_PATH), f"the module differs from {build}"
+    elf = elf_dynamic(module)
+    assert elf.type == 3 and not elf.interp, "not a shared object"
+    assert elf.machine == {"amd64": 62, "arm64": 183}[native_image.config["architecture"]], elf.machine
+    assert "envoy_dynamic_module_on_program_init" in elf.exports
+    assert set(elf.needed) <= NATIVE_NEEDED, f"links more than glibc and libgcc_s: {elf.needed}"
+    assert "libc.so.6" in elf.needed, "not a glibc build (a musl module cannot load into Envoy)"
+    newest = max(elf.glibc)
+    assert newest <= NATIVE_GLIBC_MAX, (
+        f"the module asks for GLIBC_{'.'.join(map(str, newest))}, newer than the Envoy image's "
+        f"{'.'.join(map(str, NATIVE_GLIBC_MAX))}: build it on an older glibc")
+
+
+def test_module_from_the_native_image_runs_in_envoy(native_image, run_dir, tmp_path, upstream):
+    """The module as unpacked from the layer (0644, in its folder, nothing else there) is the one
+    Envoy 1.40 loads when ENVOY_DYNAMIC_MODULES_SEARCH_PATH is that folder (the image's variable,
+    under the unpacked tree): a guarded request executes once and its retry is replayed."""
+    rootfs = tmp_path / "rootfs"
+    (entries,) = native_image.layers
+    unpack(entries, rootfs)
+    (env,) = native_image.config["config"]["Env"]
+    name, _, folder = env.partition("=")
+    search_path = rootfs / folder.lstrip("/")
+    module = search_path / "libidempotency_filter.so"
+    assert sorted(p.name for p in search_path.iterdir()) == [module.name]
+    admin, port = h.free_port(), h.free_port()
+    config = {"admin": {"address": {"socket_address": {"address": h.LOOPBACK, "port_value": admin}}},
+              "static_resources": {
+                  "listeners": [h.listener("api", port, [h.native_filter({"store": {"memory": True}})])],
+                  "clusters": [h.static_cluster("upstream", upstream.port)]}}
+    envoy = h.spawn_envoy_config(run_dir / "native-image", "envoy-native-image", config, admin,
+                                 {"api": port}, env={name: str(search_path)})
+    try:
+        h.await_envoy(envoy)
+        maps = Path(f"/proc/{envoy.proc.popen.pid}/maps").read_text()
+        loaded = {line.split(None, 5)[5] for line in maps.splitlines()
+                  if line.endswith("libidempotency_filter.so") and len(line.split(None, 5)) == 6}
+        assert loaded == {str(module)}, loaded
+        key = h.new_key()
+        headers = {"idempotency-key": key, "content-type": "application/json"}
+        first = h.request(port, "POST", "/orders", b'{"item":"book"}', headers)
+        assert_executed(first)
+        assert_replay_of(h.request(port, "POST", "/orders", b'{"item":"book"}', headers), first)
+        assert upstream.count(key=key) == 1
+        assert "idempotency: configured; store: memory" in envoy.log_text()
+    finally:
+        envoy.stop()
+
+
+def test_dockerfile_native_copies_the_native_image():
+    """envoy/Dockerfile.native: the module image by `make image`'s default name, then Envoy's
+    official image of the Envoy this repository builds for (the Makefile's ENVOY_VERSION), with
+    the module's folder copied from the first and the variable pointing at it; nothing else
+    (no RUN, no ADD, no COPY from the build context)."""
+    ins = dockerfile(NATIVE_DOCKERFILE)
+    args = dict(a.split("=", 1) for i, a in ins if i == "ARG" and "=" in a)
+    assert args.get("MODULE_IMAGE") == DEFAULT_NATIVE_REF
+    froms = [a for i, a in ins if i == "FROM"]
+    version = re.search(r"^ENVOY_VERSION := (\S+)$", (h.ROOT / "Makefile").read_text(), re.M).group(1)
+    assert froms == ["${MODULE_IMAGE} AS module", f"envoyproxy/envoy:v{version}"], froms
+    assert not [i for i, _ in ins if i in ("RUN", "ADD", "USER", "ENTRYPOINT", "CMD")]
+    folder = f"/{NATIVE_MODULE_DIR}/"
+    assert [a for i, a in ins if i == "COPY"] == [f"--from=module {folder} {folder}"]
+    assert [a for i, a in ins if i == "ENV"] == [f"ENVOY_DYNAMIC_MODULES_SEARCH_PATH=/{NATIVE_MODULE_DIR}"]
+    ignore = NATIVE_DOCKERFILE.with_name(NATIVE_DOCKERFILE.name + ".dockerignore")
+    kept = [l.strip() for l in ignore.read_text().splitlines() if l.strip() and not l.startswith("#")]
+    assert kept == ["*"], f"{ignore}: the build context is to be empty"
+
+
+def test_dockerfile_native_sets_what_the_image_sets(native_image):
+    """The Envoy image of envoy/Dockerfile.native gets the native image's variable as it is (an
+    image's ENV is not copied with its files)."""
+    ins = dockerfile(NATIVE_DOCKERFILE)
+    assert [a for i, a in ins if i == "ENV"] == native_image.config["config"]["Env"]
+
+
+# --------------------------------------------------------------------------------------------
 # the idemstore image
 # --------------------------------------------------------------------------------------------
 
@@ -253,7 +481,7 @@ def test_idemstore_image_config(idemstore_image):
     the entrypoint, listening on every interface of the container on 8380."""
     cfg = idemstore_image.config
     assert cfg["os"] == "linux"
-    assert cfg["architecture"] == {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+    assert cfg["architecture"] == image_arch()
     inner = cfg["config"]
     assert inner["User"] == "65532:65532"
     assert inner["Entrypoint"] == ["/" + IDEMSTORE_PATH]
@@ -280,10 +508,10 @@ def test_idemstore_image_holds_the_static_binary_only(idemstore_image):
     assert static, f"{IDEMSTORE_PATH}: {why}"
 
 
-def test_layer_dates_are_fixed(filter_image, idemstore_image):
+def test_layer_dates_are_fixed(filter_image, native_image, idemstore_image):
     """Every layer entry, the configs and their history carry one date (SOURCE_DATE_EPOCH, by
     default the last commit's): rebuilding the same inputs gives the same digests."""
-    for image in (filter_image, idemstore_image):
+    for image in (filter_image, native_image, idemstore_image):
         mtimes = {e.mtime for layer in image.layers for e in layer}
         assert len(mtimes) == 1, (image.layout, mtimes)
         created = {image.config["created"]} | {x["created"] for x in image.config.get("history", [])}
@@ -295,16 +523,8 @@ def test_idemstore_from_the_image_answers_healthz(idemstore_image, run_dir, tmp_
     /healthz. As root it runs chrooted into the unpacked layer (nothing but the binary there: no
     libc, no /etc, no /proc) as the image's user; otherwise directly. Stopped by PID."""
     rootfs = tmp_path / "rootfs"
-    rootfs.mkdir()
     (entries,) = idemstore_image.layers
-    for e in entries:
-        path = rootfs / e.name
-        if e.type == tarfile.DIRTYPE:
-            path.mkdir(exist_ok=True)
-        else:
-            path.write_bytes(e.data)
-        path.chmod(e.mode & 0o7777)
-    rootfs.chmod(0o755)
+    unpack(entries, rootfs)
     port = h.free_port()
     listen = ["--listen", f"{h.LOOPBACK}:{port}"]
     argv = [str(rootfs / IDEMSTORE_PATH), *listen]
@@ -336,11 +556,15 @@ def test_idemstore_from_the_image_answers_healthz(idemstore_image, run_dir, tmp_
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,ref", [("idempotency-filter", FILTER_REF), ("idemstore", IDEMSTORE_REF)])
-def test_docker_archive(name, ref, filter_image, idemstore_image):
+@pytest.mark.parametrize("name,ref", [("idempotency-filter", FILTER_REF),
+                                      ("idempotency-filter-native", NATIVE_REF),
+                                      ("idemstore", IDEMSTORE_REF)])
+def test_docker_archive(name, ref, request):
     """target/images/<name>.tar, docker load's format: named as make image named it, the
     layout's config and layer (compared uncompressed: the archive may store it either way)."""
-    image = {"idempotency-filter": filter_image, "idemstore": idemstore_image}[name]
+    fixture = {"idempotency-filter": "filter_image", "idempotency-filter-native": "native_image",
+               "idemstore": "idemstore_image"}[name]
+    image = request.getfixturevalue(fixture)
     archive = IMAGES_DIR / f"{name}.tar"
     assert archive.is_file(), f"{archive}: missing"
     entry, config, layers = read_docker_archive(archive)
