@@ -15,7 +15,7 @@
 #![no_main]
 
 use idempotency_filter::config::patterns::{MediaPattern, StatusSet};
-use idempotency_filter::config::values::{Inbox, JsonPrint, MessageIdSource, Mode, Subject, TooLarge};
+use idempotency_filter::config::values::{Inbox, JsonPrint, MessageIdSource, Mode, StoreTransport, Subject, TooLarge};
 use idempotency_filter::config::{self, Config};
 use idempotency_filter::http::headers;
 use idempotency_filter::request::fingerprint::{json_body_hash, spells_number_token};
@@ -64,8 +64,8 @@ fn check(c: &Config) {
     for (name, route) in c.routes.iter() {
         assert!(!name.is_empty() && route.routes.is_empty(), "{name:?}");
         assert_eq!(
-            (&route.store_cluster, route.store_transport, route.pause_on_headers),
-            (&c.store_cluster, c.store_transport, c.pause_on_headers)
+            (&route.store_cluster, &route.store, route.store_transport, route.pause_on_headers),
+            (&c.store_cluster, &c.store, c.store_transport, c.pause_on_headers)
         );
         assert_eq!(c.routes.get(name.as_bytes()).map(|r| r.as_ref()), Some(route));
         check(route);
@@ -170,7 +170,11 @@ fn check(c: &Config) {
         assert!(!c.require_key && !c.detached_execution && c.store_key_header.is_none());
         assert_eq!(c.subject, Subject::ClientIp);
     } else {
-        assert!(!c.store_cluster.is_empty());
+        // idemstore at `store_cluster`, or (the native host) the store in Envoy: one of the two.
+        assert_eq!(c.store_cluster.is_empty(), c.store.is_some(), "{:?} {:?}", c.store_cluster, c.store);
+        if let Some(store) = &c.store {
+            assert!(store.is_object() && c.store_transport == StoreTransport::Stream, "{store:?}");
+        }
     }
 }
 

@@ -83,6 +83,7 @@ impl<H: HostCalls> Vm<H> {
         })
     }
 
+    #[cfg(any(test, feature = "native"))]
     pub fn host(&self) -> &H {
         &self.host
     }
