@@ -84,10 +84,10 @@ def redis(run_dir):
     r.stop()
 
 
-def start_native(run_dir: Path, name: str, upstream_port: int, config: dict) -> h.Envoy:
+def start_native(run_dir: Path, name: str, upstream_port: int, config: dict, concurrency: int = 2) -> h.Envoy:
     admin, port = h.free_port(), h.free_port()
     envoy = h.spawn_envoy_config(run_dir, name, bootstrap(admin, upstream_port, [native_listener("main", port, config)]),
-                                 admin, {"main": port}, env=h.native_env())
+                                 admin, {"main": port}, concurrency=concurrency, env=h.native_env())
     return h.await_envoy(envoy)
 
 
@@ -327,5 +327,44 @@ def test_frozen_redis_is_bounded_by_store_timeout(run_dir, upstream, redis, note
                    .header("x-idempotent-replay") == "true", "a replay once Redis runs again", timeout=15)
         note(f"native Redis frozen: 3 requests failed open after {', '.join(ms(x) for x in held)} "
              f"(store_timeout_ms 300 + lock_wait_ms 200), guarded again after SIGCONT")
+    finally:
+        envoy.stop()
+
+
+def test_an_idle_worker_takes_late_answers_as_of_when_they_came(run_dir, upstream, redis, note):
+    """One worker. A request's commit meets a frozen Redis (SIGSTOP while the upstream works),
+    so the worker's ticks queue up while its only stream is gone; Redis thaws 200 ms later and
+    the answer queues behind them; the worker then idles past `store_timeout_ms`. Its next
+    stream drains the queue: each event is taken as of when it came, so the commit counts as
+    stored (not a timeout, no failed commit, no breaker), and nothing degrades after."""
+    envoy = start_native(run_dir / "native-drills", "envoy-idle", upstream.port,
+                         {"store": {"redis": redis.url, "timeout_ms": 5000}, "store_timeout_ms": 1000},
+                         concurrency=1)
+    try:
+        key = new_key("nidle")
+        out: dict[str, h.Response] = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", h.request(
+            envoy.port("main"), "POST", "/orders", b"{}", [("Idempotency-Key", key), ("x-test-sleep-ms", "300"), JSON])))
+        t.start()
+        h.wait_for(lambda: upstream.count(key=key) == 1, "the request to reach the upstream", timeout=10)
+        redis.proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            t.join(10)
+            assert out["r"].status == 201
+            time.sleep(0.2)  # the commit waits on the frozen Redis while the worker's ticks queue
+        finally:
+            redis.proc.popen.send_signal(signal.SIGCONT)
+        time.sleep(1.5)  # idle past store_timeout_ms: the queued answer is older than its deadline now
+        before = counters(envoy)
+        second = new_key("nidle-2")
+        r = h.request(envoy.port("main"), "POST", "/orders", b"{}", [("Idempotency-Key", second), JSON])
+        assert r.status == 201 and r.header("x-upstream-id"), r
+        after = counter_delta(counters(envoy), before)
+        assert after["stored"] >= 1, after  # the late commit, counted when the worker woke
+        for name in ("commit_failed", "store_errors", "degraded", "store_skipped"):
+            assert after.get(name, 0) == 0, (name, after)
+        assert "timed out" not in envoy.log_text()
+        assert h.request(envoy.port("main"), "POST", "/orders", b"{}", [("Idempotency-Key", key), JSON]) \
+            .header("x-idempotent-replay") == "true"
     finally:
         envoy.stop()

@@ -48,6 +48,26 @@ impl SharedData for NativeEnv {
     }
 }
 
+/// The process's shared data with a clock stopped at `0` (µs since the Unix epoch): what the
+/// coordinator reads while it takes a queued event as of when it came (`link.rs`).
+pub struct At(pub u64);
+
+impl Clock for At {
+    fn now_us(&self) -> Option<u64> {
+        Some(self.0)
+    }
+}
+
+impl SharedData for At {
+    fn get(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        NativeEnv.get(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> bool {
+        NativeEnv.set(key, value, cas)
+    }
+}
+
 /// 16 random bytes from the kernel (`/dev/urandom`), for mint mode's keys.
 pub fn random_bytes() -> Option<[u8; 16]> {
     use std::io::Read;

@@ -11,11 +11,24 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How long a scheduled event may take to reach the worker before it is sent again.
+const RECOMMIT: Duration = Duration::from_millis(100);
 
 use super::abi;
+use super::env::NativeEnv;
+use crate::worker::env::Clock;
 
-/// What the store's threads hand a worker.
+/// What the store's threads hand a worker, and when (µs since the Unix epoch): the worker sees
+/// it only at its next hook, which on an idle worker is the next stream, maybe seconds later;
+/// the coordinator takes it as of that time, so that an answer that came in time is not taken
+/// for a timeout (a tick queued before it is, like every event, as of its own time).
+pub struct Queued {
+    pub at_us: u64,
+    pub event: Event,
+}
+
 pub enum Event {
     /// An answer on the store stream `token`.
     Message { token: u32, bytes: Vec<u8> },
@@ -35,11 +48,12 @@ unsafe impl Send for Scheduler {}
 
 #[derive(Default)]
 struct State {
-    events: VecDeque<Event>,
+    events: VecDeque<Queued>,
     /// The live streams' schedulers, by the stream's id on this worker.
     schedulers: Vec<(u32, Scheduler)>,
-    /// The stream whose scheduler has an event on its way to the worker.
+    /// The stream whose scheduler has an event on its way to the worker, since when.
     committed: Option<u32>,
+    committed_at: Option<Instant>,
     tick_queued: bool,
 }
 
@@ -81,14 +95,20 @@ impl Link {
             }
             state.tick_queued = true;
         }
-        state.events.push_back(event);
+        let at_us = NativeEnv.now_us().unwrap_or(0);
+        state.events.push_back(Queued { at_us, event });
         self.pending.store(true, Ordering::Release);
         Self::commit(&mut state);
     }
 
     /// Under the lock: one event on its way at a time, to the newest live stream (the one most
-    /// likely to outlive the wait).
+    /// likely to outlive the wait). One that has not arrived after [`RECOMMIT`] is taken as
+    /// lost (Envoy drops a scheduled event whose stream it no longer runs) and sent again: a
+    /// second drain finds an empty queue, a lost one would hold every later answer back.
     fn commit(state: &mut State) {
+        if state.committed_at.is_some_and(|at| at.elapsed() >= RECOMMIT) {
+            state.committed = None;
+        }
         if state.committed.is_some() || state.events.is_empty() {
             return;
         }
@@ -96,6 +116,7 @@ impl Link {
             // SAFETY: registered schedulers are alive (removed under this lock before deletion).
             unsafe { abi::envoy_dynamic_module_callback_http_filter_scheduler_commit(ptr, 0) };
             state.committed = Some(id);
+            state.committed_at = Some(Instant::now());
         }
     }
 
@@ -125,7 +146,7 @@ impl Link {
     }
 
     /// The events waiting; `scheduled` is the stream whose scheduled event runs now, if one does.
-    pub fn take(&self, scheduled: Option<u32>) -> VecDeque<Event> {
+    pub fn take(&self, scheduled: Option<u32>) -> VecDeque<Queued> {
         let mut state = self.lock();
         if scheduled.is_some() && state.committed == scheduled {
             state.committed = None;

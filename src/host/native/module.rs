@@ -18,8 +18,8 @@ use std::sync::Arc;
 
 use super::abi::{self, EnvoyBuffer, LogLevel, ModuleBuffer};
 use super::calls::{NativeCalls, ROOT};
-use super::env::{random_bytes, NativeEnv};
-use super::link::{Event, Link, Scheduler};
+use super::env::{random_bytes, At, NativeEnv};
+use super::link::{Event, Link, Queued, Scheduler};
 use super::metrics::Metrics;
 use super::settings::StoreSettings;
 use super::store::InProcess;
@@ -368,15 +368,14 @@ impl Worker {
         if scheduled.is_none() && !self.link.pending() {
             return;
         }
-        for event in self.link.take(scheduled) {
+        for Queued { at_us, event } in self.link.take(scheduled) {
             self.vm.enter(ROOT);
             let _ = self.vm.host().set_effective_context(ROOT);
+            let at = At(at_us);
             match event {
-                Event::Message { token, bytes } => {
-                    self.vm.run(|c| c.on_stream_message(token, &bytes, &NativeEnv))
-                }
-                Event::Tick => self.vm.run(|c| c.on_tick(&NativeEnv)),
-                Event::Wake => self.vm.run(|c| c.on_queue_ready(&NativeEnv)),
+                Event::Message { token, bytes } => self.vm.run(|c| c.on_stream_message(token, &bytes, &at)),
+                Event::Tick => self.vm.run(|c| c.on_tick(&at)),
+                Event::Wake => self.vm.run(|c| c.on_queue_ready(&at)),
             };
         }
     }
