@@ -1765,7 +1765,7 @@ def main() -> int:
         vers = versions()
         goals = goals_section(summaries, peer, rtt, filter_lat)
         if native:
-            goals += "\n".join(["", "### The native host", "",
+            goals += "\n".join(["### The native host", "",
                                  "The native host's goals, set against the wasm filter's figures of the full run "
                                  "of 2026-12-04, against this run (the wasm filter's figure of this run beside it; "
                                  "see Native host below).", "", *native_goals(summaries, peer), ""])
