@@ -15,9 +15,11 @@
 #                 container engine: layouts and docker archives in target/images/
 #   make image-test  make image, then tests/operations/test_images.py against what it wrote
 #                 (make test runs both: image before e2e)
-#   make bench    throughput (wrk) and latency against a no-filter Envoy in the same run, profiles;
-#                 medians and ratios to bench/RESULTS.md (about 15 minutes)
-#   make bench-quick  one short round of every throughput scenario (about 75 s); last line: the ratios
+#   make bench    throughput (wrk) and latency of the wasm filter and the native host against a
+#                 no-filter Envoy in the same run, profiles; medians and ratios to bench/RESULTS.md
+#                 (about 20 minutes)
+#   make bench-quick  one short round of every throughput scenario (about 2 minutes); last line: the
+#                 ratios, the native host's beside the wasm filter's
 #   make fuzz     every cargo-fuzz target for FUZZ_SECONDS (600) each, one after the other
 #   make fuzz-quick  the same for FUZZ_QUICK_SECONDS (15) each: what CI runs after `make test`
 #
@@ -279,26 +281,28 @@ e2e: build envoy venv redis promtool
 
 ## ---- benchmarks ------------------------------------------------------------------------
 
-# bench/throughput.py drives the filter Envoy and a no-filter Envoy alternately with wrk (3 x 10 s
-# per scenario), then the peer (bench/peer: an idempotency middleware inside a Node.js app, the
-# same wrk scenarios; skipped without node and npm), and writes the "Goals", "Throughput", "Peer"
-# and "Where the time goes" sections of bench/RESULTS.md; bench/latency.py then writes its
-# "Latency" section. Needs wrk and redis-server (installed when missing, as root).
-# bench/floor-filter (a no-op proxy-wasm filter) is the pass-through baseline.
+# bench/throughput.py drives the filter Envoy, the native host's Envoy (the dynamic module, its
+# store on the same Redis) and a no-filter Envoy alternately with wrk (3 x 10 s per scenario),
+# then the peer (bench/peer: an idempotency middleware inside a Node.js app, the same wrk
+# scenarios; skipped without node and npm), and writes the "Goals" (the native host's too),
+# "Throughput", "Native host", "Peer" and "Where the time goes" sections of bench/RESULTS.md;
+# bench/latency.py then writes its "Latency" section. Needs wrk and redis-server (installed when
+# missing, as root). bench/floor-filter (a no-op proxy-wasm filter) is the pass-through baseline.
 bench: build envoy redis wrk
 	$(CARGO) build --release --target $(WASM_TARGET) --manifest-path bench/floor-filter/Cargo.toml \
 	  --target-dir $(CURDIR)/target/bench-floor
-	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	FILTER_WASM="$(WASM)" FILTER_MODULE="$(MODULE)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  FLOOR_WASM="$(CURDIR)/target/bench-floor/$(WASM_TARGET)/release/floor_filter.wasm" \
 	  REDIS_SERVER="$$($(REDIS_FIND))" \
 	  timeout --kill-after=10 2700 $(PYTHON) bench/throughput.py
-	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	FILTER_WASM="$(WASM)" FILTER_MODULE="$(MODULE)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  REDIS_SERVER="$$($(REDIS_FIND))" \
 	  timeout --kill-after=10 900 $(PYTHON) bench/latency.py
 
-# One round of 3 s per scenario, no profiles, RESULTS.md untouched; the last line sums up the ratios.
+# One round of 3 s per scenario, no profiles, RESULTS.md untouched; prints the tables (the native
+# host's goals among them) and a last line summing up the ratios.
 bench-quick: build envoy redis wrk
-	FILTER_WASM="$(WASM)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
+	FILTER_WASM="$(WASM)" FILTER_MODULE="$(MODULE)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \
 	  REDIS_SERVER="$$($(REDIS_FIND))" \
 	  timeout --kill-after=10 300 $(PYTHON) bench/throughput.py --quick
 

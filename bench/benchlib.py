@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import statistics
 import subprocess
 import time
@@ -106,3 +108,33 @@ def wait_still(read, timeout: float = 3.0) -> None:
         if now == last:
             return
         last = now
+
+
+class RedisCommands:
+    """Redis's command counts (INFO stats and commandstats) less this reader's own INFO calls:
+    what the stores sent between two reads, whichever host sent them (idemstore for the wasm
+    filter, the module's threads for the native host). `read()` gives (commands, script calls):
+    every command Redis ran, those the scripts ran included, and the EVALSHA / EVAL / FCALL
+    calls among them (the store's round trips: each of its operations is one script)."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1"):
+        self.addr = (host, port)
+        self.own = 0
+
+    def read(self) -> tuple[int, int]:
+        with socket.create_connection(self.addr, timeout=5) as s:
+            s.sendall(b"*3\r\n$4\r\nINFO\r\n$5\r\nstats\r\n$12\r\ncommandstats\r\n")
+            buf = b""
+            while b"\r\n" not in buf or len(buf) < buf.index(b"\r\n") + 2 + int(buf[1:buf.index(b"\r\n")]):
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise RuntimeError("Redis closed the connection during INFO")
+                buf += chunk
+        m = re.search(rb"^total_commands_processed:(\d+)", buf, re.M)
+        if not m:
+            raise RuntimeError("no total_commands_processed in Redis's INFO stats")
+        scripts = sum(int(x) for x in re.findall(rb"^cmdstat_(?:evalsha|eval|fcall):calls=(\d+)", buf, re.M))
+        # The count includes every earlier INFO of this reader (not this one: it is counted
+        # once answered).
+        own, self.own = self.own, self.own + 1
+        return int(m.group(1)) - own, scripts

@@ -1,15 +1,17 @@
 """Client-visible latency of the filter, against a no-filter Envoy in the same run.
 
-One Envoy process with two listeners on the same routes and upstream: `plain` (router only) and
-`idem` (the idempotency filter, idemstore on Redis). Requests are sequential on fresh
-connections, so the figures are per-request latency, not throughput. Measured:
+One Envoy process with three listeners on the same routes and upstream: `plain` (router only),
+`idem` (the idempotency filter, idemstore on Redis) and `native` (the same filter as the native
+host, docs/native.md: the dynamic module, its store in Envoy's process on the same Redis;
+left out, with a line saying so, when the module is not built). Requests are sequential on
+fresh connections, so the figures are per-request latency, not throughput. Measured:
 
 - a unique request (one `begin` before the upstream; the `commit` after the client has its
-  answer) versus the same request through `plain`;
-- a replay (one `begin`, no upstream);
+  answer) versus the same request through `plain`, on `idem` and on `native`;
+- a replay (one `begin`, no upstream), on each;
 - a store round trip straight to idemstore (what a commit on the critical path would add);
 - commit to replay: a duplicate waiting for a running original, from the original's answer
-  reaching its client to the replay reaching the duplicate's client.
+  reaching its client to the replay reaching the duplicate's client, on each.
 
 Writes the figures to bench/RESULTS.md (section "Latency") and prints them.
 
@@ -114,6 +116,25 @@ def commit_to_replay(port: int, upstream: h.Upstream, n: int) -> list[float]:
     return out
 
 
+def await_replay(port: int, key: str, timeout: float = 5.0) -> None:
+    """Until `key` is replayed: its record is stored. The native host counts `stored` when the
+    store's answer reaches the worker with its next stream, so its counter trails the store on
+    an idle listener; the answers do not."""
+    deadline = time.monotonic() + timeout
+    while h.request(port, "POST", "/orders", '{"item":"book"}',
+                    headers=[("content-type", "application/json"), ("idempotency-key", key)]
+                    ).header("x-idempotent-replay") != "true":
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{key} was not stored within {timeout:g} s")
+        time.sleep(0.05)
+
+
+def native_counters(envoy: h.Envoy) -> dict[str, int]:
+    """The module's counters (`idempotency.*`), the store stream's left out as `counters()` does."""
+    return {k[len("idempotency."):]: v for k, v in envoy.stats(r"^idempotency\.").items()
+            if k[len("idempotency."):] not in h.STREAM_COUNTERS}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=500)
@@ -131,39 +152,67 @@ def main() -> int:
         store, store_port = h.start_idemstore(run_dir, redis_url=f"redis://127.0.0.1:{redis_port}")
         procs.append(store)
         filters = {"plain": [], "idem": [h.wasm_filter({"store_cluster": "idemstore"}, h.wasm_path())]}
-        envoy = h.start_envoy(run_dir, "envoy", filters, up_port, store_port)
+        try:
+            # The native host in the same Envoy, on its own listener: the same workers, routes
+            # and upstream as the other two, its store on idemstore's Redis.
+            h.native_module()
+            filters["native"] = [h.native_filter({"store": {"redis": f"redis://127.0.0.1:{redis_port}"}})]
+        except h.HarnessError as e:
+            print(f"latency: no native host ({e})")
+        admin = h.free_port()
+        ports = {ln: h.free_port() for ln in filters}
+        config = h.envoy_config(admin, [h.listener(ln, ports[ln], f) for ln, f in filters.items()], up_port,
+                                store_port)
+        envoy = h.spawn_envoy_config(run_dir, "envoy", config, admin, ports,
+                                     env=h.native_env() if "native" in filters else None)
         procs.append(envoy.proc)
+        h.await_envoy(envoy)
         upstream = h.Upstream(up_proc, up_port)
+        fronts = [f for f in ("idem", "native") if f in filters]
 
         n = args.requests
-        timed_posts(envoy.port("idem"), 50, lambda i: f"warm-{i}")  # warm both paths
+        for f in fronts:  # warm every path
+            timed_posts(envoy.port(f), 50, lambda i, f=f: f"warm-{f}-{i}")
         timed_posts(envoy.port("plain"), 50, lambda i: None)
         plain = summary(timed_posts(envoy.port("plain"), n, lambda i: None))
-        unique = summary(timed_posts(envoy.port("idem"), n, lambda i: f"u-{time.time_ns()}-{i}"))
-        key = f"r-{time.time_ns()}"
-        timed_posts(envoy.port("idem"), 1, lambda i: key)
-        envoy.wait_counter("stored", 51)
-        replay = summary(timed_posts(envoy.port("idem"), n, lambda i: key))
+        unique, replay, c2r = {}, {}, {}
+        for f in fronts:
+            unique[f] = summary(timed_posts(envoy.port(f), n, lambda i, f=f: f"u-{f}-{time.time_ns()}-{i}"))
+        for f in fronts:
+            key = f"r-{f}-{time.time_ns()}"
+            timed_posts(envoy.port(f), 1, lambda i: key)
+            await_replay(envoy.port(f), key)
+            replay[f] = summary(timed_posts(envoy.port(f), n, lambda i: key))
         commit = summary(store_round_trips(store_port, n))
-        c2r = summary(commit_to_replay(envoy.port("idem"), upstream, args.duplicates))
+        for f in fronts:
+            c2r[f] = summary(commit_to_replay(envoy.port(f), upstream, args.duplicates))
         counters = envoy.counters()
+        native = native_counters(envoy) if "native" in fronts else {}
     finally:
         for p in reversed(procs):
             p.stop()
 
     rows = [
         ("no filter (same Envoy, `plain` listener)", plain),
-        ("unique request through the filter", unique),
-        ("replay through the filter", replay),
+        ("unique request through the filter", unique["idem"]),
+        ("replay through the filter", replay["idem"]),
         ("one store round trip (commit, straight to idemstore)", commit),
-        ("commit to replay, duplicate waiting on a running original", c2r),
+        ("commit to replay, duplicate waiting on a running original", c2r["idem"]),
     ]
+    if native:
+        rows += [
+            ("unique request through the native host", unique["native"]),
+            ("replay through the native host", replay["native"]),
+            ("commit to replay through the native host", c2r["native"]),
+        ]
     lines = [
         "## Latency",
         "",
         f"`bench/latency.py`, {time.strftime('%Y-%m-%d')}: Envoy 1.40 (`--concurrency 2`), idemstore on Redis,",
         "the counting upstream from `tests/`, all on loopback on a 2-core machine; sequential requests on",
-        "fresh connections; the filter as shipped (`store_transport: stream`). Milliseconds.",
+        "fresh connections; the filter as shipped (`store_transport: stream`)"
+        + ("; the native host on its own listener of the same Envoy, its store on the same Redis"
+           if native else "") + ". Milliseconds.",
         "",
         "| what | n | p50 | p90 | p99 | mean |",
         "|---|---|---|---|---|---|",
@@ -172,14 +221,26 @@ def main() -> int:
         lines.append(f"| {name} | {s['n']} | {s['p50']:.2f} | {s['p90']:.2f} | {s['p99']:.2f} | {s['mean']:.2f} |")
     lines += [
         "",
-        f"The filter adds {unique['p50'] - plain['p50']:.2f} ms at p50 to a unique request (one `begin`). The",
+        f"The filter adds {unique['idem']['p50'] - plain['p50']:.2f} ms at p50 to a unique request (one `begin`). The",
         "`commit` is sent after the client has its answer; had it been on the critical path, a unique",
         f"request would also wait for it (p50 {commit['p50']:.2f} ms straight to idemstore, more through",
         "the store stream).",
+    ]
+    if native:
+        lines += [
+            f"The native host adds {unique['native']['p50'] - plain['p50']:.2f} ms at p50 to a unique request",
+            "(its `begin`: one Redis script call from the module's store threads, no idemstore) and",
+            f"{replay['native']['p50'] - plain['p50']:+.2f} ms to a replay (the filter: "
+            f"{replay['idem']['p50'] - plain['p50']:+.2f} ms).",
+        ]
+    lines += [
         "",
         "Counters after the run: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items()) if v),
-        "",
     ]
+    if native:
+        lines += ["", "The native host's (`idempotency.*`): "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(native.items()) if v)]
+    lines += [""]
     text = "\n".join(lines)
     print(text)
     write_section(text)

@@ -12,7 +12,12 @@ The stack, all on loopback:
 - `plain`: the same Envoy, same listener and routes, router only;
 - `routes`: the filter Envoy again, its configuration with three route policies (`routes`
   with `payments`, `webhooks` and `orders`; the benchmarked path is on `orders`):
-  measured on pass-through and unique-1k, against `idem` (one configuration for every route).
+  measured on pass-through and unique-1k, against `idem` (one configuration for every route);
+- `native`: the same filter as an Envoy dynamic module (the native host, docs/native.md:
+  `libidempotency_filter.so`), the default configuration but `store: {"redis": ...}` on the
+  Redis idemstore uses: the store runs in that Envoy's process, no idemstore on its path. No
+  composite matcher: on pass-through the module is on the route and sees every request.
+  Skipped (with a line saying so) when the module is not built.
 
 Every front Envoy has the same routes: `slow` (/slow), `payments`, `webhooks`, `orders`,
 `search` (/fast/payments, /fast/webhooks, /fast/orders, /fast/search) and `fast` (/); on
@@ -22,13 +27,16 @@ no-filter Envoy.
 
 Scenarios (SCENARIOS below): pass-through (and on the route with the filter disabled), unique keys (1 KiB, 64 KiB, 1 MiB bodies, and 1 KiB
 on one connection for the added latency), replay (fast and 5 ms upstream), duplicate bursts.
-Each scenario runs wrk (`bench/load.lua`) against `plain` and `idem` alternately (round r:
-plain then idem for even r, idem then plain for odd r) and reports medians over the rounds of
-throughput and p50/p99 latency, the ratio idem/plain, store calls per request (idemstore's
-`idemstore_requests_total` by `op`, scraped before and after every run), the filter's outcome
-counters, upstream requests per client request, and CPU time per request of every process
-(utime+stime from /proc, wrk's from its rusage). wrk, the three Envoys, idemstore and Redis share
-the machine's cores.
+Each scenario runs wrk (`bench/load.lua`) against `plain`, `idem` and `native` alternately
+(round r: in that order for even r, reversed for odd r) and reports medians over the rounds of
+throughput and p50/p99 latency, the ratios idem/plain and native/plain, store calls per request
+(idemstore's `idemstore_requests_total` by `op`, scraped before and after every run), Redis
+script calls and commands per request (INFO: the native host's only store figure), the
+filter's outcome counters (`wasmcustom.idempotency.*`, the module's `idempotency.*`) with a check
+of what they say (a unique key runs once, a burst's key once, a replay never), upstream requests
+per client request, and CPU time per request of every process on the target's path
+(utime+stime from /proc, wrk's from its rusage; idemstore is not on the native host's path and
+is not counted there). wrk, the Envoys, idemstore and Redis share the machine's cores.
 
 A full run also measures, for "Where the time goes": the filter VMs' memory under 100,000 unique
 keys on the fresh filter Envoy (first; from /proc/<pid>/smaps, as Envoy has no wasm memory stat),
@@ -61,8 +69,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from support import harness as h  # noqa: E402
-from benchlib import (Scenario, cpu_seconds, machine_busy_seconds, medians, run_wrk as wrk_run,  # noqa: E402
-                      wait_still, wrk_bin)
+from benchlib import (RedisCommands, Scenario, cpu_seconds, machine_busy_seconds, medians,  # noqa: E402
+                      run_wrk as wrk_run, wait_still, wrk_bin)
 
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "RESULTS.md"
@@ -95,6 +103,9 @@ ROUTE_POLICIES = {
     "orders": {"lock_wait_ms": 2000},
 }
 COMPONENTS = ["envoy", "upstream", "idemstore", "redis", "wrk"]
+# The wasm filter's ways to reach idemstore (BENCH_FILTER_EXTRA may set them): the native host
+# has its store in process and would refuse `store_cluster`.
+WASM_ONLY_KEYS = ("store_cluster", "store_transport", "store_streams")
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,6 +172,14 @@ def front_config(admin_port: int, port: int, filters: list[dict], fast_port: int
     }
 
 
+def native_module() -> str | None:
+    """The native host, libidempotency_filter.so (`make build` builds it), or None."""
+    try:
+        return h.native_module()
+    except h.HarnessError:
+        return None
+
+
 def floor_wasm() -> str | None:
     """bench/floor-filter's build (`make bench` builds it), or None."""
     path = Path(os.environ.get("FLOOR_WASM") or ROOT / "target/bench-floor/wasm32-wasip1/release/floor_filter.wasm")
@@ -168,15 +187,17 @@ def floor_wasm() -> str | None:
 
 
 class Stack:
-    def __init__(self, run_dir: Path, floor: str | None = None):
+    def __init__(self, run_dir: Path, floor: str | None = None, native: bool = True):
         self.run_dir = run_dir
         self.procs: list[h.Proc] = []
         self.floor = floor
+        self.native = native
 
     def start(self) -> None:
         rd = self.run_dir
         self.redis, self.redis_port = h.start_redis(rd)
         self.procs.append(self.redis)
+        self.redis_cmds = RedisCommands(self.redis_port, h.LOOPBACK)
         self.store, self.store_port = h.spawn_idemstore(rd, redis_url=f"redis://{h.LOOPBACK}:{self.redis_port}")
         self.procs.append(self.store)
 
@@ -210,10 +231,19 @@ class Stack:
             floor["typed_config"]["config"]["name"] = "floor"
             floor["typed_config"]["config"]["root_id"] = "floor"
             fronts.append(("floor", [floor]))
+        if self.native:
+            # `native`: the module with the same configuration (BENCH_FILTER_EXTRA's keys too, but
+            # the wasm filter's ways to idemstore), its store on idemstore's Redis: the same keys
+            # and scripts, so the two hosts do the same store work per request. Same routes, the
+            # same idle `idemstore` cluster as every front (no health check), no matcher.
+            own = {k: v for k, v in extra.items() if k not in WASM_ONLY_KEYS}
+            fronts.append(("native", [h.native_filter(
+                {"store": {"redis": f"redis://{h.LOOPBACK}:{self.redis_port}"}, **own})]))
         for name, filters in fronts:
             admin, port = h.free_port(), h.free_port()
             cfg = front_config(admin, port, filters, self.fast_port, self.slow_port, self.store_port)
-            self.envoys[name] = h.spawn_envoy_config(rd, f"envoy-{name}", cfg, admin, {"edge": port})
+            self.envoys[name] = h.spawn_envoy_config(rd, f"envoy-{name}", cfg, admin, {"edge": port},
+                                                     env=h.native_env() if name == "native" else None)
             self.procs.append(self.envoys[name].proc)
 
         h.await_idemstore(self.store, self.store_port)
@@ -225,13 +255,18 @@ class Stack:
                 r = h.request(e.port("edge"), "POST", path, "{}", headers=[("content-type", "application/json")])
                 if r.status != 201 or r.header("content-type") != "application/json":
                     raise SystemExit(f"{name} {path}: unexpected answer {r}")
-        key = f"check-{secrets.token_hex(8)}"
-        hdrs = [("content-type", "application/json"), ("idempotency-key", key)]
-        h.request(self.envoys["idem"].port("edge"), "POST", "/fast/orders", "{}", headers=hdrs)
-        self.envoys["idem"].wait_counter("stored", 1)
-        r = h.request(self.envoys["idem"].port("edge"), "POST", "/fast/orders", "{}", headers=hdrs)
-        if r.header("x-idempotent-replay") != "true":
-            raise SystemExit(f"the filter did not replay: {r}")
+        for name in ("idem", "native"):
+            if name in self.envoys:
+                key = f"check-{secrets.token_hex(8)}"
+                h.request(self.envoys[name].port("edge"), "POST", "/fast/orders", "{}",
+                          headers=[("content-type", "application/json"), ("idempotency-key", key)])
+                if not await_replay(self.envoys[name], "/fast/orders", "{}", key):
+                    raise SystemExit(f"{name}: the filter did not replay {key}")
+        if "native" in self.envoys:
+            # The module says which store it runs on; on any other it would not be this bench.
+            want = f"idempotency: configured; store: redis redis://{h.LOOPBACK}:{self.redis_port}"
+            if want not in self.envoys["native"].log_text():
+                raise SystemExit(f"envoy-native did not log {want!r}:\n{h.tail(self.envoys['native'].proc.log)}")
         # The route policies are in force: a keyless POST is refused on `payments` (require_key)
         # by `routes` only, and let through on `orders`.
         nokey = [("content-type", "application/json")]
@@ -240,22 +275,41 @@ class Stack:
             r = h.request(self.envoys[name].port("edge"), "POST", path, "{}", headers=nokey)
             if r.status != status:
                 raise SystemExit(f"{name} {path} without a key: {r.status}, expected {status}: {r}")
-        # On `search` the filter is not even created: its counters do not move.
-        for name in ("idem", "routes"):
-            before = self.envoys[name].counters()
+        # On `search` the filter is not even created: its counters do not move (the module's
+        # too: Envoy's per-route FilterConfig is filter-agnostic).
+        for name in ("idem", "routes", "native"):
+            if name not in self.envoys:
+                continue
+            before = self.counters(name)
             r = h.request(self.envoys[name].port("edge"), "POST", "/fast/search", "{}", headers=nokey)
             time.sleep(0.1)
-            if r.status != 201 or self.envoys[name].counters() != before:
+            if r.status != 201 or self.counters(name) != before:
                 raise SystemExit(f"{name} /fast/search (filter disabled): {r.status}, counters "
-                                 f"{before} -> {self.envoys[name].counters()}")
+                                 f"{before} -> {self.counters(name)}")
 
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()
 
     def pids(self, target: str) -> dict[str, int]:
-        return {"envoy": self.envoys[target].proc.pid, "upstream": self.upstream.proc.pid,
+        """The processes a request to `target` runs through (wrk apart). The native host's store
+        is in its Envoy: idemstore is not counted there (it idles through those runs)."""
+        pids = {"envoy": self.envoys[target].proc.pid, "upstream": self.upstream.proc.pid,
                 "idemstore": self.store.pid, "redis": self.redis.pid}
+        if target == "native":
+            del pids["idemstore"]
+        return pids
+
+    def counters(self, target: str) -> dict[str, int]:
+        """The filter's outcome counters on `target` by short name: the wasm filter's
+        `wasmcustom.idempotency.*`, the module's `idempotency.*` (its metrics namespace); the
+        store stream's own left out, as `h.Envoy.counters` does."""
+        envoy = self.envoys[target]
+        if target != "native":
+            return envoy.counters()
+        prefix = "idempotency."
+        return {k[len(prefix):]: v for k, v in envoy.stats("^" + re.escape(prefix)).items()
+                if k[len(prefix):] not in h.STREAM_COUNTERS}
 
     def store_ops(self) -> dict[tuple[str, str], int]:
         """idemstore_requests_total by (op, outcome), plus ("waited", "") for begins that found
@@ -276,9 +330,14 @@ class Stack:
             out[(name, "")] = int(m.group(1)) if m else 0
         return out
 
-    def settle(self, timeout: float = 3.0) -> None:
-        """Until idemstore's counters stop moving (commits land after the answers)."""
+    def settle(self, timeout: float = 3.0) -> tuple[int, int]:
+        """Until Redis's command count stops moving (commits land after the answers, the native
+        host's without idemstore), then idemstore's counters; returns that Redis count. Read in
+        that order because a scrape of idemstore's /metrics sends Redis commands of its own."""
+        wait_still(self.redis_cmds.read, timeout)
+        count = self.redis_cmds.read()
         wait_still(self.store_ops, timeout)
+        return count
 
 
 def rss_kib(pid: int) -> int:
@@ -322,8 +381,8 @@ def wasm_memory_kib(pid: int) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------------------------
 
 
-# The fronts whose filter outcome counters are read around each run.
-FILTER_FRONTS = ("idem", "routes")
+# The fronts whose filter outcome counters are read around each run (and checked).
+FILTER_FRONTS = ("idem", "routes", "native")
 
 
 @dataclass
@@ -343,6 +402,25 @@ class Run:
     store_outcomes: dict[str, int] = field(default_factory=dict)
     outcomes: dict[str, int] = field(default_factory=dict)
     upstream_rq: int = 0
+    # Redis commands (those inside the store's scripts included) and script calls.
+    redis_cmds: int = 0
+    redis_scripts: int = 0
+
+
+def await_replay(envoy: h.Envoy, path: str, body: str, key: str, timeout: float = 5.0) -> bool:
+    """Whether `key`, sent once, is replayed within `timeout`: its record is stored. Asked of
+    the answers, not of the `stored` counter: the native host counts a commit when the store's
+    answer reaches the worker, with the worker's next stream (Envoy's scheduler is a stream's),
+    so on an idle Envoy that counter trails the store."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = h.request(envoy.port("edge"), "POST", path, body,
+                      headers=[("content-type", "application/json"), ("idempotency-key", key)])
+        if r.header("x-idempotent-replay") == "true":
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def upstream_requests(envoy: h.Envoy) -> int:
@@ -356,11 +434,12 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
     cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
     busy0 = machine_busy_seconds()
     ops0 = stack.store_ops()
-    out0 = envoy.counters() if target in FILTER_FRONTS else {}
+    redis0 = stack.redis_cmds.read()
+    out0 = stack.counters(target) if target in FILTER_FRONTS else {}
     up0 = upstream_requests(envoy)
     figures, wrk_cpu = wrk_run(f"http://{h.LOOPBACK}:{envoy.port('edge')}{sc.path}", sc, duration, seed, log)
     busy = machine_busy_seconds() - busy0
-    stack.settle()
+    redis1 = stack.settle()
     cpu = {k: cpu_seconds(pid) - cpu0[k] for k, pid in pids.items()}
     cpu["wrk"] = wrk_cpu
     run = Run(
@@ -369,6 +448,8 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
         cpu=cpu,
         machine_busy=busy,
         upstream_rq=upstream_requests(envoy) - up0,
+        redis_cmds=redis1[0] - redis0[0],
+        redis_scripts=redis1[1] - redis0[1],
     )
     ops1 = stack.store_ops()
     for (op, outcome), v in ops1.items():
@@ -378,7 +459,7 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
         if d:
             run.store_outcomes[f"{op}/{outcome}" if outcome else op] = d
     if target in FILTER_FRONTS:
-        out1 = envoy.counters()
+        out1 = stack.counters(target)
         run.outcomes = {k: v - out0.get(k, 0) for k, v in out1.items() if v - out0.get(k, 0)}
     return run
 
@@ -388,24 +469,32 @@ def run_wrk(stack: Stack, target: str, sc: Scenario, duration: float, seed: str,
 # --------------------------------------------------------------------------------------------
 
 
-def prewarm_replay(stack: Stack, sc: Scenario, seed: str) -> None:
-    """Stores the scenario's keys through `idem` (the same body wrk sends), so every wrk request
-    on `idem` is a replay."""
+def replay_seed(seed: str, target: str) -> str:
+    """The replay keys' seed on `target`: the native host replays keys it stored itself (the two
+    hosts agree on the records, but neither's figures should lean on the other's writes)."""
+    return f"{seed}-native" if target == "native" else seed
+
+
+def prewarm_replay(stack: Stack, sc: Scenario, seed: str, target: str = "idem") -> None:
+    """Stores the scenario's keys through `target` (the same body wrk sends), so every wrk
+    request on it is a replay."""
     body = ('{"pad":"' + "x" * (sc.size - 10) + '"}') if sc.size >= 10 else "{}"
-    idem = stack.envoys["idem"]
-    before = idem.counter("stored")
+    envoy = stack.envoys[target]
     for i in range(sc.n):
-        r = h.request(idem.port("edge"), "POST", sc.path, body,
+        r = h.request(envoy.port("edge"), "POST", sc.path, body,
                       headers=[("content-type", "application/json"), ("idempotency-key", f"{seed}-{i}")])
         if r.status != 201:
-            raise SystemExit(f"pre-warm {sc.name}: {r}")
-    if idem.wait_counter("stored", before + sc.n) < before + sc.n:
-        raise SystemExit(f"pre-warm {sc.name}: keys not stored")
+            raise SystemExit(f"pre-warm {sc.name} on {target}: {r}")
+    for i in range(sc.n):
+        if not await_replay(envoy, sc.path, body, f"{seed}-{i}"):
+            raise SystemExit(f"pre-warm {sc.name} on {target}: key {seed}-{i} not stored")
 
 
 def run_scenario(stack: Stack, sc: Scenario, rounds: int, duration: float, warmup: float,
                  run_dir: Path, log) -> dict[str, list[Run]]:
-    targets = ["plain", "idem"]
+    # The native host next to the wasm filter in every scenario, so that the two are measured
+    # as close together as the alternation allows.
+    targets = ["plain", "idem"] + [t for t in ("native",) if t in stack.envoys]
     if sc.name in ROUTES_SCENARIOS:
         targets.append("routes")
     if sc.mode == "none" and sc.name != "passthrough-off":
@@ -414,14 +503,17 @@ def run_scenario(stack: Stack, sc: Scenario, rounds: int, duration: float, warmu
     wrk_log = run_dir / f"wrk-{sc.name}.log"
     seed = f"{sc.name}-{secrets.token_hex(6)}"
     if sc.mode == "replay":
-        prewarm_replay(stack, sc, seed)
+        for target in ("idem", "native"):
+            if target in targets:
+                prewarm_replay(stack, sc, replay_seed(seed, target), target)
     if warmup > 0:
         for target in targets:
-            run_wrk(stack, target, sc, warmup, f"w{target}-{seed}" if sc.mode != "replay" else seed, wrk_log)
+            run_wrk(stack, target, sc, warmup,
+                    f"w{target}-{seed}" if sc.mode != "replay" else replay_seed(seed, target), wrk_log)
     for r in range(rounds):
         order = targets if r % 2 == 0 else targets[::-1]
         for target in order:
-            run_seed = seed if sc.mode == "replay" else f"{seed}-{target}{r}"
+            run_seed = replay_seed(seed, target) if sc.mode == "replay" else f"{seed}-{target}{r}"
             run = run_wrk(stack, target, sc, duration, run_seed, wrk_log)
             runs[target].append(run)
             log(f"  {sc.name:<15} round {r + 1}/{rounds} {target:<6} {run.rps:9.0f} req/s  "
@@ -452,6 +544,92 @@ class Summary:
     routes: dict | None = None
     routes_outcomes_per_rq: dict[str, float] = field(default_factory=dict)
     routes_store_outcomes_per_rq: dict[str, float] = field(default_factory=dict)
+    # The native host (the module, its store in process), its outcomes per request.
+    native: dict | None = None
+    native_outcomes_per_rq: dict[str, float] = field(default_factory=dict)
+    # Per target: Redis commands (the scripts' own included) and script calls per request; for
+    # the filter fronts, what check_runs found.
+    redis_per_rq: dict[str, float] = field(default_factory=dict)
+    scripts_per_rq: dict[str, float] = field(default_factory=dict)
+    checks: dict[str, "Check"] = field(default_factory=dict)
+
+    @property
+    def native_ratio(self) -> float:
+        return self.native["rps"] / self.plain["rps"] if self.native and self.plain["rps"] else 0.0
+
+
+# Outcomes that mean the store did not do its part or a request was refused: none is expected
+# in any scenario here (the store is up, every request well-formed, no lock outlives its wait).
+BAD_OUTCOMES = ("degraded", "unavailable", "store_errors", "commit_failed", "conflicted", "mismatched",
+                "rejected", "local_locks")
+
+
+@dataclass
+class Check:
+    """What a filter front's outcome counters and its upstream calls say over a scenario's
+    runs, against what the scenario must do: a unique key runs once, a burst's key once (its
+    duplicates wait and are replayed), a stored key never again; a keyless request is not
+    guarded. Counted at the Envoy, so a request cut off at the end of a run counts on
+    `guarded` without an answer; the bounds allow for those (at most one per connection)."""
+    guarded: int = 0
+    executed: int = 0
+    replayed: int = 0
+    upstream: int = 0
+    keys: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def per_key(self) -> float | None:
+        return self.executed / self.keys if self.keys else None
+
+    def text(self) -> str:
+        if self.keys:
+            # Two decimals: a burst's keys are counted to within one per run (see check_runs).
+            s = f"{self.per_key:.2f} executions per key ({self.executed} for {self.keys} keys)"
+        elif self.guarded:
+            s = f"{self.executed} executed, {self.replayed} replayed of {self.guarded} guarded"
+        else:
+            s = "none guarded"
+        return s + ("; **" + "; ".join(self.problems) + "**" if self.problems else "")
+
+
+def check_runs(sc: Scenario, runs: list[Run]) -> Check:
+    c = Check()
+    for r in runs:
+        o = r.outcomes
+        g, e, rp = o.get("guarded", 0), o.get("executed", 0), o.get("replayed", 0)
+        c.guarded, c.executed, c.replayed, c.upstream = c.guarded + g, c.executed + e, c.replayed + rp, \
+            c.upstream + r.upstream_rq
+        bad = {k: o[k] for k in BAD_OUTCOMES if o.get(k)}
+        # wrk closes its connections with requests in flight: those are left in doubt (their
+        # client went away), at most one per connection.
+        if o.get("in_doubt", 0) > sc.conns:
+            bad["in_doubt"] = o["in_doubt"]
+        if bad:
+            c.problems.append(", ".join(f"{k} {v}" for k, v in bad.items()))
+        # Every upstream call of a guarded scenario went under a lock.
+        if sc.mode != "none" and r.upstream_rq > e:
+            c.problems.append(f"{r.upstream_rq} upstream calls for {e} executions")
+        if sc.mode == "none":
+            if g or (sc.name == "passthrough-off" and o):
+                c.problems.append("counters moved: " + ", ".join(f"{k} {v}" for k, v in sorted(o.items())))
+        elif sc.mode == "unique":
+            # Each key once: as many executions as keys, less the few cut off at the end.
+            c.keys += g
+            if e > g or rp or g - e > sc.conns:
+                c.problems.append(f"{e} executed, {rp} replayed of {g} unique keys")
+        elif sc.mode == "burst":
+            # wrk's one thread sends each key `n` times in a row: the guarded requests hold
+            # ceil(g / n) keys (one more if the last group's requests arrived out of order).
+            keys = -(-g // sc.n)
+            c.keys += keys
+            if e > keys + 1:
+                c.problems.append(f"{e} executions for {keys} keys of {sc.n} requests each")
+        elif sc.mode == "replay":
+            # Stored beforehand: nothing runs again, every answer is a replay.
+            if e or r.upstream_rq or g - rp > sc.conns:
+                c.problems.append(f"{e} executed, {r.upstream_rq} upstream calls, {rp} replayed of {g}")
+    return c
 
 
 def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
@@ -481,10 +659,19 @@ def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
         n = max(1, sum(r.requests for r in runs[t]))
         cpu_us[t] = {c: sum(r.cpu.get(c, 0.0) for r in runs[t]) / n * 1e6 for c in COMPONENTS}
         upstream_per_rq[t] = sum(r.upstream_rq for r in runs[t]) / n
+    native = medians(runs["native"]) if runs.get("native") else None
+    redis_per_rq = {t: sum(r.redis_cmds for r in runs[t]) / max(1, sum(r.requests for r in runs[t])) for t in runs}
+    scripts_per_rq = {t: sum(r.redis_scripts for r in runs[t]) / max(1, sum(r.requests for r in runs[t])) for t in runs}
+    checks = {t: check_runs(sc, runs[t]) for t in FILTER_FRONTS if runs.get(t)}
+    native_outcomes = {k: v / max(1, native["requests"]) for k, v in sorted(outcomes_sum(runs["native"]).items())} \
+        if native else {}
     problems = []
-    for t, m in (("no filter", plain), ("filter", idem), ("three route policies", routes)):
+    for t, m in (("no filter", plain), ("filter", idem), ("three route policies", routes), ("native host", native)):
         if m and (m["non2xx"] or m["errors"]):
             problems.append(f"{t}: {m['non2xx']} non-2xx, {m['errors']} socket errors")
+    for t, c in checks.items():
+        if c.problems:
+            problems.append(f"{t}: " + "; ".join(c.problems))
     notes = []
     routes_outcomes: dict[str, float] = {}
     routes_store: dict[str, float] = {}
@@ -517,7 +704,8 @@ def summarize(sc: Scenario, runs: dict[str, list[Run]]) -> Summary:
                    {k: v / n_idem for k, v in sorted(outcomes.items())},
                    {k: v / n_idem for k, v in sorted(store_outcomes.items())}, upstream_per_rq, cpu_us, cores,
                    problems, extra, floor, skip, mint, routes, dict(sorted(routes_outcomes.items())),
-                   dict(sorted(routes_store.items())))
+                   dict(sorted(routes_store.items())), native, native_outcomes, redis_per_rq, scripts_per_rq,
+                   checks)
 
 
 def outcomes_sum(runs: list[Run]) -> dict[str, int]:
@@ -551,8 +739,13 @@ def short_note(s: Summary) -> str:
 
 
 def one_line(s: Summary) -> str:
-    """A scenario in the last line: its ratio (and the matcher-wrapped pass-through after it)."""
+    """A scenario in the last line: its ratio, the native host's, (and the matcher-wrapped
+    pass-through after them)."""
     line = f"{s.sc.name} {fmt_ratio(s.ratio)}" + short_note(s)
+    if s.native:
+        line += f" native {fmt_ratio(s.native_ratio)}"
+        if s.sc.conns == 1:
+            line += f" (p50 +{s.native['p50'] - s.plain['p50']:.2f} ms)"
     if s.skip:
         line += f", {s.sc.name}-matcher {fmt_ratio(s.skip['rps'] / s.plain['rps'])}"
     if s.mint:
@@ -573,32 +766,50 @@ def store_text(s: Summary) -> str:
     return f"{total:.2f} ({parts})" if parts else f"{total:.2f}"
 
 
+def redis_text(s: Summary, front: str) -> str:
+    return f"{s.scripts_per_rq.get(front, 0):.2f} ({s.redis_per_rq.get(front, 0):.1f})"
+
+
 def table(summaries: list[Summary], rounds: int, duration: float) -> list[str]:
+    """The scenarios: no filter, the wasm filter (`filter`) and the native host (`native`; "-"
+    when it did not run)."""
     lines = [
-        f"Medians of {rounds} round(s) of {duration:g} s per Envoy; ratio = filter / no filter, same run.",
+        f"Medians of {rounds} round(s) of {duration:g} s per Envoy; ratio = filter / no filter, same run "
+        "(filter: the wasm filter with idemstore; native: the native host, its store in Envoy).",
         "",
-        "| scenario | what | no filter req/s | filter req/s | ratio | p50 no filter / filter (ms) "
-        "| p99 no filter / filter (ms) | store calls per request | upstream calls per request | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| scenario | what | no filter req/s | filter req/s | ratio | native req/s | native ratio "
+        "| p50 no filter / filter / native (ms) | p99 no filter / filter / native (ms) | store calls per request "
+        "| upstream calls per request, no filter / filter / native | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         notes = [x for x in [note(s)] + s.problems if x]
+        n = s.native
+        rps, ratio = (f"{n['rps']:.0f}", f"**{fmt_ratio(s.native_ratio)}**") if n else ("-", "-")
+        p50, p99 = (f"{n['p50']:.2f}", f"{n['p99']:.2f}") if n else ("-", "-")
+        up = f"{s.upstream_per_rq['native']:.2f}" if n else "-"
         lines.append(
             f"| {s.sc.name} | {s.sc.what} (`-t{s.sc.threads} -c{s.sc.conns}`) | {s.plain['rps']:.0f} | {s.idem['rps']:.0f} | "
-            f"**{fmt_ratio(s.ratio)}** | {s.plain['p50']:.2f} / {s.idem['p50']:.2f} | "
-            f"{s.plain['p99']:.2f} / {s.idem['p99']:.2f} | {store_text(s)} | "
-            f"{s.upstream_per_rq['plain']:.2f} / {s.upstream_per_rq['idem']:.2f} | {'; '.join(notes)} |")
+            f"**{fmt_ratio(s.ratio)}** | {rps} | {ratio} | {s.plain['p50']:.2f} / {s.idem['p50']:.2f} / {p50} | "
+            f"{s.plain['p99']:.2f} / {s.idem['p99']:.2f} / {p99} | {store_text(s)} | "
+            f"{s.upstream_per_rq['plain']:.2f} / {s.upstream_per_rq['idem']:.2f} / {up} | {'; '.join(notes)} |")
     return lines
 
 
 def outcome_table(summaries: list[Summary]) -> list[str]:
-    lines = ["| scenario | filter outcomes per request (`wasmcustom.idempotency.*`) "
-             "| idemstore operations per request (`op/outcome`; `waited`: begins that found the lock held) |",
+    lines = ["| scenario | filter outcomes per request (`wasmcustom.idempotency.*`; the native host's "
+             "`idempotency.*`) | idemstore operations per request (`op/outcome`; `waited`: begins that found the "
+             "lock held); the native host: Redis script calls per request (and commands, the scripts' own "
+             "included) |",
              "|---|---|---|"]
     for s in summaries:
         o = ", ".join(f"{k} {v:.3f}" for k, v in s.outcomes_per_rq.items()) or "none"
         st = ", ".join(f"{k} {v:.3f}" for k, v in s.store_outcomes_per_rq.items()) or "none"
         lines.append(f"| {s.sc.name} | {o} | {st} |")
+        if s.native:
+            o = ", ".join(f"{k} {v:.3f}" for k, v in s.native_outcomes_per_rq.items()) or "none"
+            lines.append(f"| {s.sc.name}, native host | {o} | {redis_text(s, 'native')} (the wasm filter's "
+                         f"idemstore: {redis_text(s, 'idem')}) |")
         if s.routes:
             o = ", ".join(f"{k} {v:.3f}" for k, v in s.routes_outcomes_per_rq.items()) or "none"
             st = ", ".join(f"{k} {v:.3f}" for k, v in s.routes_store_outcomes_per_rq.items()) or "none"
@@ -618,7 +829,8 @@ def cpu_table(summaries: list[Summary]) -> list[str]:
         for t, name in (("idem", s.sc.name), ("routes", f"{s.sc.name}, filter with three route policies"),
                         ("skip", f"{s.sc.name}, filter behind the composite matcher"),
                         ("mint", f"{s.sc.name}, filter in mint mode"),
-                        ("floor", f"{s.sc.name}, no-op wasm filter instead")):
+                        ("floor", f"{s.sc.name}, no-op wasm filter instead"),
+                        ("native", f"{s.sc.name}, native host (no idemstore on its path)")):
             if t not in s.cpu_us:
                 continue
             i = s.cpu_us[t]
@@ -734,22 +946,26 @@ def perf_available() -> bool:
     return r.returncode == 0
 
 
-def perf_profile(stack: Stack, duration: float, run_dir: Path, log) -> dict[str, list[str]]:
-    """perf record (cpu-clock, 999 Hz) of idemstore and of the filter Envoy during a unique-1k
-    run through `idem`; flat reports by shared object and by symbol."""
+def perf_profile(stack: Stack, duration: float, run_dir: Path, log, front: str = "idem") -> dict[str, list[str]]:
+    """perf record (cpu-clock, 999 Hz) of the processes on `front`'s path during a unique-1k
+    run through it (`idem`: idemstore, the filter Envoy and Redis; `native`: its Envoy, the
+    store's threads inside it, and Redis); flat reports by shared object and by symbol."""
     sc = BY_NAME["unique-1k"]
-    targets = {"idemstore": stack.store.pid, "envoy-idem": stack.envoys["idem"].proc.pid,
-               "redis": stack.redis.pid}
+    if front == "native":
+        targets = {"envoy-native": stack.envoys["native"].proc.pid, "redis, native host's run": stack.redis.pid}
+    else:
+        targets = {"idemstore": stack.store.pid, "envoy-idem": stack.envoys["idem"].proc.pid,
+                   "redis": stack.redis.pid}
     perfs = {}
     for name, pid in targets.items():
-        data = run_dir / f"perf-{name}.data"
+        data = run_dir / f"perf-{name.split(',')[0]}-{front}.data"
         perfs[name] = (data, subprocess.Popen(
             ["perf", "record", "-e", "cpu-clock", "-F", "999", "-p", str(pid), "-o", str(data), "--",
              "sleep", f"{duration + 1:g}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(0.5)
-    run = run_wrk(stack, "idem", sc, duration, f"perf-{secrets.token_hex(6)}", run_dir / "wrk-perf.log")
-    log(f"  perf: unique-1k through the filter at {run.rps:.0f} req/s while recording")
+    run = run_wrk(stack, front, sc, duration, f"perf-{secrets.token_hex(6)}", run_dir / "wrk-perf.log")
+    log(f"  perf: unique-1k through {front} at {run.rps:.0f} req/s while recording")
     out: dict[str, list[str]] = {"_rps": [f"{run.rps:.0f}"]}
     for name, (data, p) in perfs.items():
         p.wait(timeout=duration + 60)
@@ -774,7 +990,7 @@ def perf_profile(stack: Stack, duration: float, run_dir: Path, log) -> dict[str,
         out[f"{name}, by shared object"] = [f"{v:6.2f}%  {k}" for k, v in sorted(by_dso.items(), key=lambda kv: -kv[1])
                                             if v >= 0.5]
         out.setdefault("_shares", {})[name] = {"dso": by_dso, "group": by_group}
-        if name == "idemstore":
+        if name in ("idemstore", "envoy-native"):
             out[f"{name}, by crate (Rust symbols by their first path segment; kernel and libc apart)"] = [
                 f"{v:6.2f}%  {k}" for k, v in sorted(by_group.items(), key=lambda kv: -kv[1]) if v >= 0.5]
         out[f"{name}, top symbols ({total} samples)"] = [shorten(f"{pct_:6.2f}%  {dso}  {sym}")
@@ -785,7 +1001,8 @@ def perf_profile(stack: Stack, duration: float, run_dir: Path, log) -> dict[str,
 def group_of(dso: str, sym: str) -> str:
     if dso.startswith("[kernel"):
         return "kernel"
-    if dso.startswith("lib") or dso.startswith("[vdso"):
+    # The native host's module is Rust code too: by crate, as idemstore.
+    if (dso.startswith("lib") and not dso.startswith("libidempotency_filter")) or dso.startswith("[vdso"):
         return dso
     s = sym.lstrip("<&*( ")
     s = re.sub(r"^(dyn |mut |const )+", "", s)
@@ -882,8 +1099,10 @@ def write_results(sections: list[tuple[str, str]]) -> None:
     head = "# Benchmark results\n\nWritten by `make bench`; each section by the script it names.\n\n"
     text = RESULTS.read_text() if RESULTS.exists() else head
     for title, section in sections:
-        # The goals come first; a new section otherwise goes before the latency one.
-        text = replace_section(text, title, section, "## Throughput" if title == "## Goals" else "## Latency")
+        # The goals come first; the native host's after the throughput; a new section otherwise
+        # goes before the latency one.
+        before = {"## Goals": "## Throughput", "## Native host": "## Where the time goes"}.get(title, "## Latency")
+        text = replace_section(text, title, section, before)
     RESULTS.write_text(text.rstrip("\n") + "\n")
 
 
@@ -895,14 +1114,16 @@ def throughput_section(summaries, rounds, duration, vers, started, load) -> str:
         f"Envoy {vers['envoy']}, {vers['rustc']}, {vers['redis']}, {vers['wrk']}.",
         f"Load average before the run: {load}.",
         "",
-        "The filter Envoy and the no-filter Envoy (same listener, routes and clusters; router only)",
-        "run side by side (`--concurrency 2` each), in front of an upstream Envoy that answers `201`",
-        "JSON itself (`direct_response`) after reading the body, at once or after 5 ms (fault filter),",
-        "and idemstore on Redis. wrk (`bench/load.lua`) drives them alternately. **wrk, the three",
-        "Envoys, idemstore and Redis share these 2 cores**: a ratio is what the filter's whole path",
-        "(VM, store streams, idemstore, Redis) costs the machine, not the filter Envoy alone. The filter",
-        "runs as shipped: `store_transport: stream` (each worker's store calls as messages on its",
-        "store streams); `BENCH_FILTER_EXTRA='{\"store_transport\": \"callout\"}'` runs it on HTTP callouts.",
+        "The filter Envoy, the native host's Envoy and the no-filter Envoy (same listener, routes and",
+        "clusters; router only) run side by side (`--concurrency 2` each), in front of an upstream Envoy",
+        "that answers `201` JSON itself (`direct_response`) after reading the body, at once or after",
+        "5 ms (fault filter), and idemstore on Redis (the native host's store is in its Envoy, on the same",
+        "Redis). wrk (`bench/load.lua`) drives them alternately. **wrk, the Envoys, idemstore and Redis",
+        "share these 2 cores**: a ratio is what the filter's whole path (VM, store streams, idemstore,",
+        "Redis; for the native host the module and Redis) costs the machine, not the filter Envoy alone.",
+        "The filter runs as shipped: `store_transport: stream` (each worker's store calls as messages on",
+        "its store streams); `BENCH_FILTER_EXTRA='{\"store_transport\": \"callout\"}'` runs it on HTTP",
+        "callouts.",
         "",
         *table(summaries, rounds, duration),
         "",
@@ -949,6 +1170,30 @@ def throughput_section(summaries, rounds, duration, vers, started, load) -> str:
     return "\n".join(lines) + "\n"
 
 
+def native_section(summaries: list[Summary], log_lines: list[str]) -> str:
+    lines = [
+        "## Native host",
+        "",
+        "The native host (`native`: `libidempotency_filter.so`, an Envoy dynamic module, docs/native.md) in the",
+        "same run as the sections above: the same routes and configuration as the filter Envoy, `store:",
+        "{\"redis\": ...}` on the Redis idemstore uses (the store's threads in Envoy's process; no idemstore on",
+        "its path, so its CPU is that Envoy's, the upstream's, Redis's and wrk's), no composite matcher. Each",
+        "scenario drives it in turn with the no-filter Envoy and the wasm filter (`filter`). Added = with minus",
+        "without the filter. Check: what the front's outcome counters and upstream calls say over the",
+        "scenario's runs (a unique key executes once, a burst's key once, a stored key never again; any",
+        "`degraded`, `store_errors`, `conflicted`... is named in bold).",
+        "",
+        *native_table(summaries),
+        "",
+    ]
+    if log_lines:
+        lines += [f"The native Envoy's log had {len(log_lines)} error, critical or module warning line(s); the first:",
+                  "", "```", *[shorten(ln, 200) for ln in log_lines[:10]], "```", ""]
+    else:
+        lines += ["The native Envoy's log had no error, critical or module warning line.", ""]
+    return "\n".join(lines) + "\n"
+
+
 PEER = BENCH / "peer" / "run.py"
 PEER_SCENARIOS = ["unique-1k", "unique-1k-c1", "replay", "burst"]
 
@@ -971,9 +1216,122 @@ def run_peer(rounds: int, duration: float, run_dir: Path, log) -> dict | None:
     return json.loads(out.read_text())
 
 
-def added_cpu_us(s: Summary) -> float:
-    """CPU µs per request of every process with the filter, minus without it."""
-    return sum(s.cpu_us["idem"].values()) - sum(s.cpu_us["plain"].values())
+def added_cpu_us(s: Summary, front: str = "idem") -> float:
+    """CPU µs per request of every process on `front`'s path, minus without the filter."""
+    return sum(s.cpu_us[front].values()) - sum(s.cpu_us["plain"].values())
+
+
+def added_p50_ms(s: Summary, front: str = "idem") -> float:
+    m = s.native if front == "native" else s.idem
+    return m["p50"] - s.plain["p50"]
+
+
+def by_process(s: Summary, front: str = "idem") -> str:
+    """Added CPU µs per request by process, largest first."""
+    added = {c: s.cpu_us[front][c] - s.cpu_us["plain"][c] for c in COMPONENTS}
+    return ", ".join(f"{c} {added[c]:+.0f}" for c in sorted(COMPONENTS, key=lambda c: -added[c])
+                     if front != "native" or c != "idemstore")
+
+
+def native_table(summaries: list[Summary]) -> list[str]:
+    """Per scenario, the native host next to the wasm filter, both against the no-filter Envoy
+    of the same run."""
+    lines = [
+        "| scenario | ratio: filter / native | added p50 (ms): filter / native | added CPU µs per request, all "
+        "processes: filter / native | native's added CPU by process (µs) | Redis script calls (commands) per "
+        "request: filter (through idemstore) / native | check: filter / native |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        if not s.native:
+            continue
+        checks = " / ".join(s.checks[t].text() if t in s.checks else "-" for t in ("idem", "native"))
+        lines.append(
+            f"| {s.sc.name} | {fmt_ratio(s.ratio)} / **{fmt_ratio(s.native_ratio)}** | "
+            f"{added_p50_ms(s):+.2f} / {added_p50_ms(s, 'native'):+.2f} | "
+            f"{added_cpu_us(s):+.0f} / {added_cpu_us(s, 'native'):+.0f} | {by_process(s, 'native')} | "
+            f"{redis_text(s, 'idem')} / {redis_text(s, 'native')} | {checks} |")
+    return lines
+
+
+# The native host's goals, set against the wasm filter's figures of the full run of 2026-12-04
+# (the second column): (figure, that figure, the goal).
+NATIVE_GOALS = [
+    ("unique-1k", "0.34x", ">= 0.65x"),
+    ("CPU per unique request, all processes", "+335 µs", "<= +130 µs"),
+    ("added p50, one connection", "+0.46 ms", "<= +0.15 ms, below the peer's"),
+    ("burst (20 duplicates per key)", "0.48x", ">= 0.75x"),
+    ("replay", "1.55x", ">= 2x"),
+    ("pass-through with the filter on the route", "0.89x (matcher)", ">= 0.97x without a matcher"),
+]
+
+
+def native_goals(summaries: list[Summary], peer: dict | None) -> list[str]:
+    """NATIVE_GOALS against this run: the native host's figure (met or missed), the wasm
+    filter's in the same run beside it, and for each miss where the native host's time goes."""
+    by = {s.sc.name: s for s in summaries if s.native}
+    peer_c1 = {p["name"]: p for p in peer["scenarios"]}.get("unique-1k-c1") if peer else None
+
+    def ratio(name: str, want: float):
+        s = by.get(name)
+        if not s:
+            return None
+        return (fmt_ratio(s.ratio), fmt_ratio(s.native_ratio), s.native_ratio >= want,
+                f"by process (µs per request): {by_process(s, 'native')}")
+
+    def cpu():
+        s = by.get("unique-1k")
+        if not s:
+            return None
+        n = added_cpu_us(s, "native")
+        return (f"{added_cpu_us(s):+.0f} µs", f"{n:+.0f} µs", n <= 130, f"by process (µs): {by_process(s, 'native')}")
+
+    def p50():
+        s = by.get("unique-1k-c1")
+        if not s:
+            return None
+        n = added_p50_ms(s, "native")
+        theirs = peer_c1["added_p50_ms"] if peer_c1 else None
+        text = f"{n:+.2f} ms" + (f" (peer {theirs:+.2f} ms)" if theirs is not None else " (peer not run)")
+        ok = n <= 0.15 and (theirs is None or n < theirs)
+        return (f"{added_p50_ms(s):+.2f} ms", text, ok,
+                f"p50 {s.plain['p50']:.2f} -> {s.native['p50']:.2f} ms on one connection; the `begin` is one Redis "
+                "script call from the module's store threads, and the answer a commit on the worker's scheduler")
+
+    def passthrough():
+        s = by.get("passthrough")
+        if not s:
+            return None
+        wasm = f"{fmt_ratio(s.skip['rps'] / s.plain['rps'])} (matcher)" if s.skip else f"{fmt_ratio(s.ratio)} (on the route)"
+        return (wasm, fmt_ratio(s.native_ratio), s.native_ratio >= 0.97,
+                f"the native Envoy spends {envoy_added_us(s, 'native'):+.0f} µs of CPU per request over the "
+                "no-filter Envoy, the module's hooks for a keyless POST")
+
+    measured = [ratio("unique-1k", 0.65), cpu(), p50(), ratio("burst", 0.75), ratio("replay", 2.0), passthrough()]
+    rows = ["| figure | wasm, goal set against | native goal | wasm, this run | native, this run | |",
+            "|---|---|---|---|---|---|"]
+    misses = []
+    for (figure, before, target), m in zip(NATIVE_GOALS, measured):
+        if m is None:
+            rows.append(f"| {figure} | {before} | {target} | - | not measured | - |")
+            continue
+        wasm, native, ok, why = m
+        rows.append(f"| {figure} | {before} | {target} | {wasm} | {native} | {'met' if ok else '**missed**'} |")
+        if not ok:
+            misses.append(f"- {figure} ({native}, goal {target}): {why}.")
+    return rows + ([""] + ["Where the native host's time goes, for each goal missed:", "", *misses] if misses else [])
+
+
+def native_log(envoy: h.Envoy) -> list[str]:
+    """The native Envoy's log lines that say something went wrong: Envoy's errors and
+    criticals, and every warning of the module (`idempotency:`) or its component
+    (`dynamic_modules`); a caught panic logs one such line and leaves its stream unguarded."""
+    out = []
+    for line in envoy.log_text().splitlines():
+        if ("[error]" in line or "[critical]" in line or "panic" in line
+                or ("[warning]" in line and ("idempotency" in line or "dynamic_modules" in line))):
+            out.append(line)
+    return out
 
 
 def peer_section(summaries: list[Summary], peer: dict) -> str:
@@ -1264,8 +1622,9 @@ def analysis_section(summaries, stats_lines, mem_rows, profile, profiler_note, r
     if shares:
         def top(d: dict, n: int) -> str:
             return ", ".join(f"{k} {v:.0f}%" for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n])
-        lines += ["**Profiles** (below; unique-1k through the filter). Shares of each process's samples:"]
-        for name in ("envoy-idem", "idemstore", "redis"):
+        lines += ["**Profiles** (below; unique-1k through the filter, then through the native host). Shares of "
+                  "each process's samples:"]
+        for name in ("envoy-idem", "idemstore", "redis", "envoy-native", "redis, native host's run"):
             if name in shares:
                 d = shares[name]["group" if name == "idemstore" else "dso"]
                 lines += [f"- {name}: {top(d, 6)}."]
@@ -1323,7 +1682,11 @@ def main() -> int:
     floor = floor_wasm() if not args.quick and "passthrough" in names else None
     if not args.quick and "passthrough" in names and not floor:
         log("bench/floor-filter is not built (make bench builds it): pass-through without the no-op filter baseline")
-    stack = Stack(run_dir, floor)
+    native = native_module()
+    if not native:
+        log("the native host is not built (make build builds target/release/libidempotency_filter.so): "
+            "no native column")
+    stack = Stack(run_dir, floor, native=bool(native))
     summaries: list[Summary] = []
     mem_rows: list = []
     profile: dict = {}
@@ -1331,14 +1694,16 @@ def main() -> int:
     stats_lines: list[str] = []
     rtt = {"n": 0, "p50": 0.0, "p99": 0.0}
     filter_lat: dict = {}
+    native_lines: list[str] = []
     try:
         stack.start()
         log("stack up: upstream Envoy, redis, idemstore, Envoys " + ", ".join(stack.envoys))
         if profile_on and args.memory_keys > 0:
             mem_rows = memory_growth(stack, args.memory_keys, run_dir, log)
         if args.quick:
-            # One short unmeasured run through the filter: the VMs' first calls (V8 tiers the wasm up).
-            for target in FILTER_FRONTS:
+            # One short unmeasured run through the filter: the VMs' first calls (V8 tiers the wasm
+            # up); the native host's store threads connect to Redis.
+            for target in [t for t in FILTER_FRONTS if t in stack.envoys]:
                 run_wrk(stack, target, BY_NAME["unique-1k"], 1, f"warm-{target}-{secrets.token_hex(6)}",
                         run_dir / "wrk-warm.log")
         all_runs: dict[str, dict] = {}
@@ -1349,6 +1714,10 @@ def main() -> int:
         # Every run's figures (req/s, p50/p90/p99, CPU...), for comparisons across runs.
         (run_dir / "runs.json").write_text(json.dumps(all_runs, indent=1) + "\n")
         stats_lines = wasm_stats(stack.envoys["idem"])
+        if "native" in stack.envoys:
+            native_lines = native_log(stack.envoys["native"])
+            log(f"envoy-native's log: {len(native_lines)} error, critical or module warning line(s)"
+                + "".join(f"\n    {ln}" for ln in native_lines[:10]))
         if profile_on:
             filter_lat = filter_store_latency(stack, run_dir, log)
         rtt = store_round_trip_ms(stack.store_port, 300)
@@ -1368,6 +1737,15 @@ def main() -> int:
                                  "adds its own load). Flat, by shared object, then by shared object and symbol. "
                                  "The wasm code V8 compiled has no symbols (`[JIT]`); Envoy's binary is stripped, "
                                  "so its samples are addresses (V8's runtime and builtins are inside it).")
+                if "native" in stack.envoys:
+                    # The native host's Envoy (the module's hooks and its store's threads) and
+                    # Redis, in a second recording of the same length through `native`.
+                    nat = perf_profile(stack, duration, run_dir, log, front="native")
+                    profile.update({k: v for k, v in nat.items() if not k.startswith("_")})
+                    profile.setdefault("_shares", {}).update(nat.get("_shares", {}))
+                    profiler_note += (f" `envoy-native` and `redis, native host's run`: the same during {duration:g} s "
+                                      f"of unique-1k through the native host ({nat['_rps'][0]} req/s while recording; "
+                                      "the module keeps its symbols).")
             else:
                 profile = callgrind_profile(stack, args.callgrind_requests, run_dir, log)
                 profiler_note = (f"`perf` cannot sample here: `valgrind --tool=callgrind` on a second idemstore "
@@ -1380,11 +1758,21 @@ def main() -> int:
     elapsed = time.monotonic() - t0
     text = "\n".join(table(summaries, rounds, duration)) + "\n\n" + "\n".join(outcome_table(summaries)) + \
         "\n\n" + "\n".join(cpu_table(summaries))
+    if native:
+        text += "\n\n" + "\n".join(native_table(summaries)) + "\n\n" + "\n".join(native_goals(summaries, peer))
     print(text)
     if write:
         vers = versions()
-        sections = [("## Goals", goals_section(summaries, peer, rtt, filter_lat)),
+        goals = goals_section(summaries, peer, rtt, filter_lat)
+        if native:
+            goals += "\n".join(["### The native host", "",
+                                 "The native host's goals, set against the wasm filter's figures of the full run "
+                                 "of 2026-12-04, against this run (the wasm filter's figure of this run beside it; "
+                                 "see Native host below).", "", *native_goals(summaries, peer), ""])
+        sections = [("## Goals", goals),
                     ("## Throughput", throughput_section(summaries, rounds, duration, vers, started, load))]
+        if native:
+            sections.append(("## Native host", native_section(summaries, native_lines)))
         if peer:
             sections.append(("## Peer: idempotency inside the app", peer_section(summaries, peer)))
         write_results([
