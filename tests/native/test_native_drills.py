@@ -354,7 +354,7 @@ def test_an_idle_worker_takes_late_answers_as_of_when_they_came(run_dir, upstrea
             time.sleep(0.2)  # the commit waits on the frozen Redis while the worker's ticks queue
         finally:
             redis.proc.popen.send_signal(signal.SIGCONT)
-        time.sleep(1.5)  # idle past store_timeout_ms: the queued answer is older than its deadline now
+        time.sleep(3.0)  # idle past the commit's deadline: the queued answer is older than it now
         before = counters(envoy)
         second = new_key("nidle-2")
         r = h.request(envoy.port("main"), "POST", "/orders", b"{}", [("Idempotency-Key", second), JSON])
