@@ -178,7 +178,11 @@ impl Link {
                 self.tick_set.notified().await;
                 continue;
             }
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+            // A new period (a shorter one: a call's deadline sweep) cuts the wait short.
+            let period = Duration::from_millis(ms);
+            if tokio::time::timeout(period, self.tick_set.notified()).await.is_ok() {
+                continue;
+            }
             if self.tick_ms.load(Ordering::Acquire) > 0 {
                 self.push(Event::Tick);
             }
