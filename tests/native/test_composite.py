@@ -1,11 +1,13 @@
 """The native host behind Envoy's composite filter, as the shipped configurations wrap the filter
-(`harness.skip_unless_keyed`: created only for a request with a key and a guarded method). The
-module's filter is then created inside the composite's request-headers callback, and a
-scheduler commit made while Envoy created it (`http_filter_new`) never reached the stream
-(measured with 1.40.0): before src/host/native/link.rs stopped committing there, the worker's
-link held every later event back behind it, the stream's own `begin` answer too, and the
-request hung until the client gave up (one request in three or so, the first time a store
-answer waited for a new stream).
+(`harness.skip_unless_keyed`: created only for a request with a key and a guarded method): the
+module's filter is then created inside the composite's request-headers callback.
+
+A regression test: the module of the first native commit made each stream's scheduler in
+`http_filter_new`, and there a commit of events that waited for a stream (a commit's answer
+after its own stream ended) never reached the stream behind the composite filter (measured with
+1.40.0: its `scheduled` hook never ran); the worker's link then held every later event back
+behind it, the stream's own `begin` answer too, and the request hung until the client gave up
+(this test timed out three runs in three). Schedulers are now made at a stream's first pause.
 
 One Envoy (two workers) with the wrapped module on a Redis store, in front of the counting
 upstream: keyed requests one after the other, each on a connection of its own, each answered

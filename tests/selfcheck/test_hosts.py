@@ -68,6 +68,10 @@ def test_a_rendered_config_becomes_the_native_hosts(monkeypatch):
     assert module_config(listeners["guard"]) == {"lock_wait_ms": 1, "store": {"redis": "redis://127.0.0.1:6392"}}
     assert module_config(listeners["dead"]) == {"store": {"redis": "redis://127.0.0.1:40011"}}
     assert json.dumps(config).count(h.WASM_FILTER_TYPE) == 3  # the original is left as it was
+    # A filter written for the module is the module's to refuse (tests/native's refusals).
+    own = h.envoy_config(1, [h.listener("own", 2, [h.native_filter({"store": {"memory": True},
+                                                                    "detached_execution": True})])], 5, 40010)
+    assert h.for_native(own, leave_out_refused=True)[1] == {}
 
 
 @pytest.mark.parametrize("cfg, refused", [

@@ -357,11 +357,14 @@ def for_native(config: dict, leave_out_refused: bool = False) -> tuple[dict, dic
     """A rendered Envoy config for the native host (a copy): every idempotency wasm filter
     (`root_id: idempotency`, e.g. in a shipped YAML) replaced by the module's filter under the
     same `name`, and each module filter's `store_cluster` by the `store` of that cluster's
-    idemstore (`native_plugin_config`). With `leave_out_refused`, the listeners whose filter the
-    native host refuses (`native_refusal`) are left out of the config; returns the config and
-    {listener name: the reason} of those left out."""
+    idemstore (`native_plugin_config`). Returns the config and {listener name: why the native
+    host refuses it} for the listeners with such a filter that it refuses (`native_refusal`),
+    which `leave_out_refused` leaves out of the config. A filter written for the module (a
+    `store`, no `store_cluster`) is left as it is, refused or not: a test of the module's
+    refusals sees them."""
     config = json.loads(json.dumps(config))
     clusters = _cluster_ports(config)
+    carried: list[dict] = []  # the typed configs made or changed here
 
     def visit(d: dict) -> None:
         tc = d["typed_config"]
@@ -369,32 +372,32 @@ def for_native(config: dict, leave_out_refused: bool = False) -> tuple[dict, dic
             value = ((tc["config"].get("configuration") or {}).get("value")) or ""
             d["typed_config"] = native_filter(value)["typed_config"]
             tc = d["typed_config"]
+            carried.append(tc)
         if tc.get("@type") == MODULE_FILTER_TYPE and isinstance(_filter_value(tc), str):
-            tc["filter_config"]["value"] = native_plugin_config(_filter_value(tc), clusters)
+            value = native_plugin_config(_filter_value(tc), clusters)
+            if value != _filter_value(tc):
+                tc["filter_config"]["value"] = value
+                carried.append(tc)
 
     _walk_filters(config, visit)
-    left_out: dict[str, str] = {}
-    if leave_out_refused:
-        res = config.get("static_resources") or {}
-        kept = []
-        for ln in res.get("listeners") or []:
-            reason = listener_refusal(ln)
-            if reason:
-                left_out[ln.get("name", "")] = reason
-            else:
-                kept.append(ln)
-        if left_out:
-            res["listeners"] = kept
-    return config, left_out
+    refused: dict[str, str] = {}
+    res = config.get("static_resources") or {}
+    for ln in res.get("listeners") or []:
+        reason = _refusal(ln, lambda tc: any(tc is c for c in carried))
+        if reason:
+            refused[ln.get("name", "")] = reason
+    if leave_out_refused and refused:
+        res["listeners"] = [ln for ln in res["listeners"] if ln.get("name", "") not in refused]
+    return config, refused
 
 
-def listener_refusal(node) -> str | None:
-    """Why the native host refuses a module filter under `node` (a listener, a config), or None."""
+def _refusal(node, among=lambda tc: True) -> str | None:
+    """Why the native host refuses a module filter under `node` (`among` those), or None."""
     reasons: list[str] = []
 
     def visit(d: dict) -> None:
         tc = d["typed_config"]
-        if tc.get("@type") == MODULE_FILTER_TYPE and isinstance(_filter_value(tc), str):
+        if tc.get("@type") == MODULE_FILTER_TYPE and isinstance(_filter_value(tc), str) and among(tc):
             try:
                 reason = native_refusal(json.loads(_filter_value(tc)))
             except ValueError:
@@ -1254,11 +1257,10 @@ def launch_envoy_file(run_dir: Path, name: str, path: Path, log_level: str = "in
     return start(name, argv, run_dir, env=env)
 
 
-def _native_file_config(path: Path) -> dict:
+def _native_file_config(path: Path) -> tuple[dict, dict[str, str]]:
     import yaml  # PyYAML: only for config files launched on the native host
 
-    config, _ = for_native(yaml.safe_load(Path(path).read_text()))
-    return config
+    return for_native(yaml.safe_load(Path(path).read_text()))
 
 
 def file_refusal(path: Path) -> str | None:
@@ -1266,8 +1268,8 @@ def file_refusal(path: Path) -> str | None:
     `path` (e.g. the shipped envoy.yaml's `outcome_lookup`), naming the file; else None."""
     if not native():
         return None
-    reason = listener_refusal(_native_file_config(path))
-    return f"{reason}: {Path(path).name}" if reason else None
+    refused = _native_file_config(path)[1]
+    return f"{next(iter(refused.values()))}: {Path(path).name}" if refused else None
 
 
 def native_config_file(path: Path) -> Path:
@@ -1278,7 +1280,7 @@ def native_config_file(path: Path) -> Path:
     if reason:
         skip(reason)
     out = Path(path).with_name(Path(path).stem + ".native.json")
-    out.write_text(json.dumps(_native_file_config(path), indent=2))
+    out.write_text(json.dumps(_native_file_config(path)[0], indent=2))
     return out
 
 
