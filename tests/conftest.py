@@ -1,8 +1,10 @@
 """Fixtures for the end-to-end suite: real Envoy, real idemstore, real Redis.
 
 Artifacts come from the environment (the Makefile sets them), else their default paths:
-ENVOY_BIN, FILTER_WASM (target/wasm32-wasip1/release/idempotency_filter.wasm),
-IDEMSTORE_BIN (target/release/idemstore), REDIS_SERVER (redis-server on PATH).
+ENVOY_BIN, FILTER_WASM (target/wasm32-wasip1/release/idempotency_filter.wasm), FILTER_MODULE
+(target/release/libidempotency_filter.so, the native host), IDEMSTORE_BIN
+(target/release/idemstore), REDIS_SERVER (redis-server on PATH). IDEM_HOST (`wasm`, the default,
+or `native`) says which host the suite's filters run in (support/harness.py `host`).
 Logs of every process go to tests/.logs/<run>/ (or $IDEM_TEST_LOGDIR); failing tests print
 the tails of the live processes' logs. After the last test, every Envoy log of the run is
 checked for wasm panics and traps (support/log_check.py).
@@ -29,8 +31,8 @@ pytest_plugins = ["support.log_check", "pytester"]
 
 
 def pytest_report_header(config):
-    lines = []
-    for env in ("ENVOY_BIN", "FILTER_WASM", "IDEMSTORE_BIN"):
+    lines = [f"IDEM_HOST={h.host()}"]
+    for env in ("ENVOY_BIN", "FILTER_WASM", "FILTER_MODULE", "IDEMSTORE_BIN"):
         lines.append(f"{env}={os.environ.get(env, '<default>')}")
     lines.append(f"logs: {the_run_dir()}")
     return lines
@@ -66,6 +68,8 @@ def run_dir() -> Path:
 def artifacts() -> dict[str, str]:
     try:
         found = {"envoy": h.envoy_bin(), "wasm": h.wasm_path(), "idemstore": h.idemstore_bin()}
+        if h.native():  # IDEM_HOST=native: the filters are the dynamic module (`harness.host`)
+            found["module"] = h.native_module()
     except h.HarnessError as e:
         missing = str(e)
     else:

@@ -151,7 +151,11 @@ impl Callouts {
 
     /// Whether `job` goes on the store stream: a store call that fits on it, when there is one.
     fn streams(&self, job: &Job) -> bool {
-        self.stream.is_some() && matches!(&job.call, Call::Store(call) if wire::fits(call))
+        // With the store in Envoy's process (`store`, the native host) every call goes on the
+        // stream: there is no cluster to call, and a large record holds no other call behind it
+        // (each message is a task of its own on the store's threads).
+        self.stream.is_some()
+            && matches!(&job.call, Call::Store(call) if self.cfg.store.is_some() || wire::fits(call))
     }
 
     /// The store stream, if the worker has one.
@@ -315,5 +319,35 @@ impl Callouts {
             Call::Store(call) => Some(call),
             Call::Batch(_) | Call::Upstream(_) => None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn commit(bytes: usize) -> Job {
+        Job::worker(Call::Store(StoreCall::Commit {
+            key: "k".into(),
+            token: "t".into(),
+            body_hash: "h".into(),
+            record: vec![0; bytes],
+            retention_s: 86_400,
+        }))
+    }
+
+    fn callouts(json: &str) -> Callouts {
+        Callouts::new(Rc::new(Config::from_json(json.as_bytes()).unwrap()))
+    }
+
+    #[test]
+    fn a_large_commit_goes_as_a_callout_to_idemstore_and_on_the_stream_to_a_store_in_process() {
+        let large = commit(wire::MAX_STREAM_RECORD + 1);
+        let idemstore = callouts(r#"{"store_cluster":"idemstore"}"#);
+        assert!(idemstore.streams(&commit(wire::MAX_STREAM_RECORD)) && !idemstore.streams(&large));
+        // The native host has no cluster to call: a callout would fail to leave.
+        let in_process = callouts(r#"{"store":{"memory":true}}"#);
+        assert!(in_process.streams(&commit(wire::MAX_STREAM_RECORD)) && in_process.streams(&large));
+        assert!(!callouts(r#"{"store_cluster":"idemstore","store_transport":"callout"}"#).streams(&commit(1)));
     }
 }

@@ -62,7 +62,7 @@ LISTENERS = {
 }
 
 # Envoy's generic per-route filter config: the filter (its `name` in http_filters) is skipped.
-DISABLED = {"envoy.filters.http.wasm": {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+DISABLED = {h.filter_name(): {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
                                         "disabled": True}}
 
 
@@ -234,7 +234,7 @@ def test_route_with_the_filter_disabled_moves_no_counter(policies):
     sent twice runs twice and moves none of the filter's counters (the stream's included); the
     same POST on orders is guarded (the control)."""
     p = policies
-    filter_stats = r"^wasmcustom\.idempotency\."
+    filter_stats = h.filter_stats_regex()
     downstream = "http.api.downstream_rq_total"
     h.wait_for(lambda: h.store_idle(p.envoy), "no store call in flight", timeout=5)
     before = p.envoy.stats(filter_stats)
@@ -284,8 +284,8 @@ def test_refused_policy_stops_envoy_at_start(case, run_dir, artifacts, upstream)
     proc = h.launch_envoy(run_dir / "policies-refused", f"envoy-{case}", config)
     try:
         log = h.envoy_refused(proc, admin)
-        hits = [ln for ln in log.splitlines() if "wasm" in ln.lower() and REFUSAL_LINE + message in ln]
-        assert hits, f"no wasm log line says {message!r}\n{proc.describe(60)}"
+        hits = [ln for ln in log.splitlines() if h.is_filter_log_line(ln) and REFUSAL_LINE + message in ln]
+        assert hits, f"no filter log line says {message!r}\n{proc.describe(60)}"
     finally:
         proc.stop()
 
@@ -312,9 +312,11 @@ def test_refused_policy_update_keeps_the_previous_configuration(policies, run_di
     admin, port = h.free_port(), h.free_port()
     lds = sub / "lds.json"
 
+    clusters = [h.static_cluster("upstream", p.upstream.port), h.store_cluster(p.store_port)]
+
     def listener(routes: dict) -> dict:
         cfg = {"store_cluster": "idemstore", "routes": routes}
-        return h.listener("api", port, [h.wasm_filter(cfg, artifacts["wasm"])], ROUTES)
+        return h.host_listener(h.listener("api", port, [h.wasm_filter(cfg, artifacts["wasm"])], ROUTES), clusters)
 
     write_lds(lds, listener(POLICIES), "1")
     config = {
@@ -322,8 +324,7 @@ def test_refused_policy_update_keeps_the_previous_configuration(policies, run_di
         "admin": {"address": {"socket_address": {"address": h.LOOPBACK, "port_value": admin}}},
         "dynamic_resources": {"lds_config": {"path_config_source": {"path": str(lds)},
                                              "resource_api_version": "V3"}},
-        "static_resources": {"clusters": [h.static_cluster("upstream", p.upstream.port),
-                                          h.store_cluster(p.store_port)]},
+        "static_resources": {"clusters": clusters},
     }
     envoy = h.await_envoy(h.spawn_envoy_config(sub, "envoy-lds", config, admin, {"api": port}))
 
@@ -552,11 +553,11 @@ def test_shipped_envoy_yaml_three_routes_three_policies(policies, run_dir, artif
         assert p.upstream.count(path=path) == 1
         # search: no guard, no counter
         h.wait_for(lambda: h.store_idle(envoy), "no store call in flight", timeout=5)
-        before = envoy.stats(r"^wasmcustom\.idempotency\.")
+        before = envoy.stats(h.filter_stats_regex())
         key, path = new_key("ship-search"), uniq("/search")
         for _ in range(2):
             assert_executed(post(path, key), 201)
         assert p.upstream.count(key=key) == 2
-        assert envoy.stats(r"^wasmcustom\.idempotency\.") == before
+        assert envoy.stats(h.filter_stats_regex()) == before
     finally:
         envoy.stop()

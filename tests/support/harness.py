@@ -110,6 +110,317 @@ def idemstore_bin() -> str:
     return artifact("IDEMSTORE_BIN", "target/release/idemstore", "idemstore binary")
 
 
+# --------------------------------------------------------------------------------------------
+# the host the suite runs the filter in (IDEM_HOST)
+# --------------------------------------------------------------------------------------------
+
+HOSTS = ("wasm", "native")
+WASM_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+MODULE_FILTER_TYPE = "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
+# The reason of every skip of a test that checks idemstore itself (its metrics, logs, `/v1`).
+NO_IDEMSTORE = "native host: no idemstore in the path"
+
+
+def host() -> str:
+    """The host the suite's filters run in (`IDEM_HOST`): `wasm` (the default: the filter in
+    Envoy's V8, its store idemstore, reached through the store cluster) or `native` (the
+    dynamic module, `native_filter`, with the store in Envoy's process). Under `native`,
+    `wasm_filter` builds the module's filter, every Envoy launched here gets `native_env()`, a
+    plugin configuration's `store_cluster` becomes the `store` of the idemstore that cluster
+    points at (`for_native`), and `Envoy.counter`/`counters` read `idempotency.<name>`."""
+    value = os.environ.get("IDEM_HOST") or "wasm"
+    if value not in HOSTS:
+        raise ValueError(f"IDEM_HOST={value!r}: one of {', '.join(HOSTS)}")
+    if value == "native" and store_transport() == "callout":
+        raise ValueError("IDEM_HOST=native with IDEM_STORE_TRANSPORT=callout: the native host has no store "
+                         "transport (its store runs in Envoy's process)")
+    return value
+
+
+def native() -> bool:
+    return host() == "native"
+
+
+def skip(reason: str):
+    """pytest.skip, for the harness's own skips (pytest is imported only when one happens)."""
+    import pytest
+
+    pytest.skip(reason)
+
+
+def skip_on_native(reason: str) -> None:
+    """Skips the calling test (or fixture) under IDEM_HOST=native; `reason` starts `native host:`."""
+    if native():
+        skip(reason if reason.startswith("native host") else f"native host: {reason}")
+
+
+def filter_stat_prefix() -> str:
+    """The filter's counters' prefix in /stats: `wasmcustom.idempotency.` (the wasm filter's
+    custom metrics) or `idempotency.` (the module's `metrics_namespace`)."""
+    return "idempotency." if native() else "wasmcustom.idempotency."
+
+
+def filter_stats_regex() -> str:
+    """A /stats filter matching the filter's counters and nothing else."""
+    return "^" + re.escape(filter_stat_prefix())
+
+
+def filter_stat(name: str) -> str:
+    return filter_stat_prefix() + name
+
+
+def filter_name() -> str:
+    """The `name` the suite's filter has in `http_filters` (what `typed_per_filter_config` keys on)."""
+    return "idempotency" if native() else "envoy.filters.http.wasm"
+
+
+def filter_log_component() -> str:
+    """The Envoy log component of the filter's lines: `wasm`, or `dynamic_modules` (the
+    module's lines, each prefixed `idempotency:`)."""
+    return "dynamic_modules" if native() else "wasm"
+
+
+def is_filter_log_line(line: str) -> bool:
+    """A log line of the filter (on the wasm host: any line mentioning wasm, as Envoy's own
+    lines about the plugin do)."""
+    if native():
+        return "[dynamic_modules]" in line and "idempotency:" in line
+    return "wasm" in line.lower()
+
+
+# The `subject.property` paths the native host reads (src/host/native/view.rs `attribute`).
+NATIVE_ATTRIBUTES = {
+    ("xds", "route_name"), ("xds", "cluster_name"), ("response", "code_details"), ("response", "code"),
+    ("upstream", "request_attempt_count"), ("upstream", "local_address"), ("upstream", "address"),
+    ("source", "address"), ("destination", "address"), ("request", "id"), ("request", "path"),
+    ("connection", "requested_server_name"), ("connection", "uri_san_peer_certificate"),
+    ("connection", "subject_peer_certificate"), ("connection", "dns_san_peer_certificate"),
+}
+
+
+def native_refusal(cfg) -> str | None:
+    """Why the native host refuses the plugin configuration `cfg` at load, as
+    src/host/native/module.rs `unsupported` does (docs/native.md, "Not yet"), or None."""
+    if not isinstance(cfg, dict):
+        return None
+    routes = cfg.get("routes") if isinstance(cfg.get("routes"), dict) else {}
+    for route, c in [("", cfg)] + [(r, p) for r, p in routes.items() if isinstance(p, dict)]:
+        at = f" (route {route!r})" if route else ""
+        subject = c.get("subject") if isinstance(c.get("subject"), dict) else {}
+        what = None
+        if "metadata" in subject:
+            what = "`subject.metadata`"
+        elif "property" in subject and tuple(subject["property"] or ()) not in NATIVE_ATTRIBUTES:
+            what = f"`subject.property` {subject['property']}"
+        elif c.get("detached_execution") is True:
+            what = "`detached_execution`"
+        elif c.get("outcome_lookup") is not None:
+            what = "`outcome_lookup`"
+        if what:
+            return f"native host: refuses {what}{at} at load (docs/native.md, Not yet)"
+    return None
+
+
+# idemstore's flags -> the native host's `store` keys (docs/native.md, "The `store` key").
+_STORE_FLAGS = {
+    "--redis": "redis", "--redis-cluster": "redis_cluster", "--redis-sentinel": "redis_sentinel",
+    "--redis-sentinel-master": "sentinel_master", "--redis-ca-file": "ca_file",
+    "--redis-cert-file": "cert_file", "--redis-key-file": "key_file", "--redis-username": "username",
+    "--redis-password-file": "password_file", "--redis-sentinel-username": "sentinel_username",
+    "--redis-sentinel-password-file": "sentinel_password_file", "--key-prefix": "key_prefix",
+    "--redis-timeout-ms": "timeout_ms", "--memory-max-keys": "memory_max_keys",
+    "--memory-max-bytes": "memory_max_bytes",
+}
+_LIST_KEYS = {"redis_cluster", "redis_sentinel"}
+_INT_KEYS = {"timeout_ms", "memory_max_keys", "memory_max_bytes"}
+# idemstore's own service (its listener's TLS, its secret, its threads): nothing of the store.
+_SERVICE_FLAGS = {"--listen", "--tls-cert-file", "--tls-key-file", "--tls-client-ca-file", "--secret",
+                  "--secret-file", "--worker-threads", "--max-body-bytes"}
+
+# idemstore's port -> the `store` the native host runs for the same backend, or why there is none.
+_IDEMSTORES: dict[int, dict | str] = {}
+
+
+def native_store_of(argv: list[str], env: dict | None = None) -> tuple[int, dict | str] | None:
+    """(port, `store`) for an idemstore command line: its backend and Redis flags as the native
+    host's `store` keys (a string saying why where one cannot map); None for a command that
+    serves no store (a tool: `idemstore records ...`)."""
+    args = list(argv[1:])
+    if not args or not args[0].startswith("--"):
+        return None
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if not eq:
+            value = None
+            if flag != "--redis-tls-insecure" and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+                i += 1
+        pairs.append((flag, value))
+        i += 1
+    listen = dict(pairs).get("--listen") or "127.0.0.1:8380"
+    port = int(listen.rsplit(":", 1)[1])
+    store: dict = {}
+    for flag, value in pairs:
+        if flag in _SERVICE_FLAGS:
+            continue
+        if flag == "--redis-tls-insecure":
+            store["tls_insecure"] = True
+        elif flag in _STORE_FLAGS and value is not None:
+            key = _STORE_FLAGS[flag]
+            store[key] = value.split(",") if key in _LIST_KEYS else int(value) if key in _INT_KEYS else value
+        else:
+            return port, f"idemstore's {flag} has no `store` key"
+    if env and env.get("IDEMSTORE_REDIS_PASSWORD"):
+        return port, "idemstore's password comes from its environment (IDEMSTORE_REDIS_PASSWORD)"
+    if not any(k in store for k in ("redis", "redis_cluster", "redis_sentinel")):
+        store["memory"] = True
+    return port, store
+
+
+def register_idemstore(argv: list[str], env: dict | None = None) -> None:
+    found = native_store_of(argv, env)
+    if found is not None:
+        _IDEMSTORES[found[0]] = found[1]
+
+
+def native_store(ports: int | list[int]) -> dict:
+    """The `store` the native host runs for a store cluster of these idemstore ports: the
+    backend of the idemstores there (all the same one); for ports no idemstore of this run
+    listens on (a store that is down), a Redis on the same port, where nothing answers either."""
+    ports = list(ports) if isinstance(ports, (list, tuple)) else [ports]
+    found = [_IDEMSTORES.get(p) for p in ports]
+    if all(f is None for f in found):
+        return {"redis": f"redis://{LOOPBACK}:{ports[0]}"}
+    reasons = [f for f in found if isinstance(f, str)]
+    if reasons:
+        raise HarnessError(f"native host: the store cluster's idemstore cannot be mapped: {reasons[0]}")
+    stores = {json.dumps(f, sort_keys=True) for f in found}
+    if len(stores) != 1:
+        raise HarnessError(f"native host: the store cluster's idemstores {ports} have different backends")
+    return json.loads(stores.pop())
+
+
+def _cluster_ports(config: dict) -> dict[str, list[int]]:
+    """Cluster name -> its STATIC endpoints' ports, for the clusters of a rendered config."""
+    out: dict[str, list[int]] = {}
+    for c in (config.get("static_resources") or {}).get("clusters") or []:
+        ports = []
+        for group in (c.get("load_assignment") or {}).get("endpoints") or []:
+            for ep in group.get("lb_endpoints") or []:
+                sock = ep.get("endpoint", {}).get("address", {}).get("socket_address")
+                if sock and "port_value" in sock:
+                    ports.append(int(sock["port_value"]))
+        out[c.get("name", "")] = ports
+    return out
+
+
+def native_plugin_config(value, clusters: dict[str, list[int]]):
+    """A plugin configuration (dict or JSON text) for the native host: `store_cluster` (and
+    `store_transport`) replaced by the `store` of that cluster's idemstore (`native_store`).
+    A configuration that is not a JSON object, or whose cluster is not among `clusters`, is
+    left as it is: the module refuses it as it should."""
+    cfg = value
+    if isinstance(value, str):
+        try:
+            cfg = json.loads(value)
+        except ValueError:
+            return value
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("store_cluster"), str) \
+            or cfg["store_cluster"] not in clusters or "store" in cfg:
+        return value
+    ports = clusters[cfg["store_cluster"]]
+    out = {k: v for k, v in cfg.items() if k not in ("store_cluster", "store_transport")}
+    out["store"] = native_store(ports)
+    return json.dumps(out) if isinstance(value, str) else out
+
+
+def _walk_filters(node, visit) -> None:
+    """Calls visit(d) for every dict with a `typed_config` under `node` (nested ones too)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("typed_config"), dict):
+            visit(node)
+        for v in list(node.values()):
+            _walk_filters(v, visit)
+    elif isinstance(node, list):
+        for v in node:
+            _walk_filters(v, visit)
+
+
+def _filter_value(tc: dict):
+    """The plugin configuration text of a module filter's typed_config."""
+    return (tc.get("filter_config") or {}).get("value")
+
+
+def for_native(config: dict, leave_out_refused: bool = False) -> tuple[dict, dict[str, str]]:
+    """A rendered Envoy config for the native host (a copy): every idempotency wasm filter
+    (`root_id: idempotency`, e.g. in a shipped YAML) replaced by the module's filter under the
+    same `name`, and each module filter's `store_cluster` by the `store` of that cluster's
+    idemstore (`native_plugin_config`). Returns the config and {listener name: why the native
+    host refuses it} for the listeners with such a filter that it refuses (`native_refusal`),
+    which `leave_out_refused` leaves out of the config. A filter written for the module (a
+    `store`, no `store_cluster`) is left as it is, refused or not: a test of the module's
+    refusals sees them."""
+    config = json.loads(json.dumps(config))
+    clusters = _cluster_ports(config)
+    carried: list[dict] = []  # the typed configs made or changed here
+
+    def visit(d: dict) -> None:
+        tc = d["typed_config"]
+        if tc.get("@type") == WASM_FILTER_TYPE and (tc.get("config") or {}).get("root_id") == "idempotency":
+            value = ((tc["config"].get("configuration") or {}).get("value")) or ""
+            d["typed_config"] = native_filter(value)["typed_config"]
+            tc = d["typed_config"]
+            carried.append(tc)
+        if tc.get("@type") == MODULE_FILTER_TYPE and isinstance(_filter_value(tc), str):
+            value = native_plugin_config(_filter_value(tc), clusters)
+            if value != _filter_value(tc):
+                tc["filter_config"]["value"] = value
+                carried.append(tc)
+
+    _walk_filters(config, visit)
+    refused: dict[str, str] = {}
+    res = config.get("static_resources") or {}
+    for ln in res.get("listeners") or []:
+        reason = _refusal(ln, lambda tc: any(tc is c for c in carried))
+        if reason:
+            refused[ln.get("name", "")] = reason
+    if leave_out_refused and refused:
+        res["listeners"] = [ln for ln in res["listeners"] if ln.get("name", "") not in refused]
+    return config, refused
+
+
+def _refusal(node, among=lambda tc: True) -> str | None:
+    """Why the native host refuses a module filter under `node` (`among` those), or None."""
+    reasons: list[str] = []
+
+    def visit(d: dict) -> None:
+        tc = d["typed_config"]
+        if tc.get("@type") == MODULE_FILTER_TYPE and isinstance(_filter_value(tc), str) and among(tc):
+            try:
+                reason = native_refusal(json.loads(_filter_value(tc)))
+            except ValueError:
+                reason = None
+            if reason:
+                reasons.append(reason)
+
+    _walk_filters(node, visit)
+    return reasons[0] if reasons else None
+
+
+def host_listener(listener_config: dict, clusters: list[dict]) -> dict:
+    """A listener delivered outside the bootstrap (an LDS file), for the suite's host: under
+    IDEM_HOST=native its filters as `for_native` makes them, with `clusters` (the bootstrap's)
+    naming the store clusters; unchanged on the wasm host."""
+    if not native():
+        return listener_config
+    config, _ = for_native({"static_resources": {"listeners": [listener_config], "clusters": clusters}})
+    return config["static_resources"]["listeners"][0]
+
+
+
+
 def redis_bin() -> str:
     value = os.environ.get("REDIS_SERVER") or shutil.which("redis-server")
     if not value:
@@ -223,12 +534,22 @@ def start(name: str, argv: list[str], run_dir: Path, env: dict | None = None, cw
         _LIVE.append(proc)
         if _is_envoy(argv[0]):
             _ENVOY_LOGS.append(log)
+        elif _is_idemstore(argv[0]):
+            # What a native host's `store` is for a store cluster toward it (`native_store`).
+            register_idemstore(argv, env)
     return proc
 
 
 def _is_envoy(program: str) -> bool:
     try:
         return os.path.realpath(program) == os.path.realpath(envoy_bin())
+    except HarnessError:
+        return False
+
+
+def _is_idemstore(program: str) -> bool:
+    try:
+        return os.path.realpath(program) == os.path.realpath(idemstore_bin())
     except HarnessError:
         return False
 
@@ -479,6 +800,9 @@ STREAM_COUNTERS = ("store_streams_opened", "store_stream_resets", "store_stream_
 def store_idle(envoy: "Envoy", cluster: str = "idemstore") -> bool:
     """No store call in flight: no callout to `cluster`, none on a store stream (whose streams,
     one per worker, are active requests of the cluster while they live)."""
+    if native():
+        # The module's store calls are tasks on its threads: `store_stream_calls` in flight.
+        return envoy.counter("store_stream_calls") == 0
     s = envoy.stats(rf"^(cluster\.{cluster}\.upstream_rq_active|wasmcustom\.idempotency\.store_stream.*)$")
     streams = s.get("wasmcustom.idempotency.store_streams_opened", 0) - s.get("wasmcustom.idempotency.store_stream_resets", 0)
     return (s.get(f"cluster.{cluster}.upstream_rq_active", 0) <= max(streams, 0)
@@ -502,6 +826,11 @@ def streams() -> bool:
 
 def wasm_filter(plugin_config: dict | str, wasm: str, vm_id: str = "idempotency",
                 failure_policy: str = "FAIL_RELOAD") -> dict:
+    """The filter with `plugin_config`: the wasm filter (`wasm` in V8, its own VM `vm_id`), or
+    under IDEM_HOST=native the module's filter (`native_filter`) with the same configuration,
+    whose `store_cluster` becomes a `store` when its Envoy is launched (`for_native`)."""
+    if native():
+        return native_filter(plugin_config)
     transport = store_transport()
     if isinstance(plugin_config, dict) and transport and "store_cluster" in plugin_config:
         plugin_config = {"store_transport": transport, **plugin_config}
@@ -669,7 +998,8 @@ def replay_listener(wasm: str, max_record_bytes: int | None = None) -> dict:
     cfg = {"mode": "grpc_replay"} if max_record_bytes is None else \
         {"mode": "grpc_replay", "max_record_bytes": max_record_bytes}
     replay = wasm_filter(cfg, wasm, vm_id="idempotency_grpc_replay")
-    replay["typed_config"]["config"]["name"] = REPLAY_NAME
+    if not native():
+        replay["typed_config"]["config"]["name"] = REPLAY_NAME
     return {
         "name": REPLAY_NAME,
         "internal_listener": {},
@@ -802,8 +1132,13 @@ class Envoy:
     admin_port: int
     ports: dict[str, int] = field(default_factory=dict)
     config_path: Path | None = None
+    # Listeners left out on the native host (`for_native`): name -> why it refuses their filter.
+    left_out: dict[str, str] = field(default_factory=dict)
 
     def port(self, listener_name: str) -> int:
+        """The listener's port; a listener left out on the native host skips the test."""
+        if listener_name in self.left_out:
+            skip(f"{self.left_out[listener_name]} (listener {listener_name!r})")
         return self.ports[listener_name]
 
     def stats(self, filter_regex: str) -> dict[str, int]:
@@ -822,15 +1157,16 @@ class Envoy:
         return out
 
     def counter(self, name: str) -> int:
-        """`wasmcustom.idempotency.<name>` (or a full stat name); a missing counter is 0."""
-        full = name if "." in name else f"wasmcustom.idempotency.{name}"
+        """The filter's counter `name` (`wasmcustom.idempotency.<name>`, on the native host
+        `idempotency.<name>`: `filter_stat`), or a full stat name; a missing counter is 0."""
+        full = name if "." in name else filter_stat(name)
         return self.stats("^" + full.replace(".", r"\.") + "$").get(full, 0)
 
     def counters(self) -> dict[str, int]:
         """The filter's counters of what requests did, by short name. The store stream's own
         (`STREAM_COUNTERS`: a stream per worker, opened when it is first needed) are left out,
         so that tests compare outcomes whatever the transport; `counter()` reads them."""
-        return {k.rsplit(".", 1)[1]: v for k, v in self.stats(r"^wasmcustom\.idempotency\.").items()
+        return {k.rsplit(".", 1)[1]: v for k, v in self.stats(filter_stats_regex()).items()
                 if k.rsplit(".", 1)[1] not in STREAM_COUNTERS}
 
     def wait_counter(self, name: str, at_least: int, timeout: float = 5.0) -> int:
@@ -857,6 +1193,12 @@ def write_config(run_dir: Path, name: str, config: dict) -> Path:
 
 def launch_envoy(run_dir: Path, name: str, config: dict, log_level: str = "info",
                  concurrency: int = 2, env: dict | None = None) -> Proc:
+    """Launch an Envoy from a rendered config, not waiting. Under IDEM_HOST=native the config
+    is `for_native`'s (the filter the module, its `store` that of its store cluster's
+    idemstore) and the environment has `native_env()`."""
+    if native():
+        config, _ = for_native(config)
+        env = {**native_env(), **(env or {})}
     path = write_config(run_dir, name, config)
     argv = [envoy_bin(), "-c", str(path), "--base-id", str(next(_BASE_IDS)), "--disable-hot-restart",
             "--concurrency", str(concurrency), "-l", log_level]
@@ -906,10 +1248,40 @@ def launch_envoy_file(run_dir: Path, name: str, path: Path, log_level: str = "in
                       env: dict | None = None) -> Proc:
     """Launch an Envoy from a config file as it is (e.g. a shipped YAML with its ports rewritten).
     `extra_args` go on its command line (e.g. `--file-flush-interval-msec 100`: Envoy writes
-    file and stdout access logs every 10 s by default)."""
+    file and stdout access logs every 10 s by default). Under IDEM_HOST=native the file is
+    `native_config_file`'s and the environment has `native_env()`."""
+    if native():
+        path, env = native_config_file(path), {**native_env(), **(env or {})}
     argv = [envoy_bin(), "-c", str(path), "--base-id", str(next(_BASE_IDS)), "--disable-hot-restart",
             "--concurrency", str(concurrency), "-l", log_level] + list(extra_args or [])
     return start(name, argv, run_dir, env=env)
+
+
+def _native_file_config(path: Path) -> tuple[dict, dict[str, str]]:
+    import yaml  # PyYAML: only for config files launched on the native host
+
+    return for_native(yaml.safe_load(Path(path).read_text()))
+
+
+def file_refusal(path: Path) -> str | None:
+    """Under IDEM_HOST=native: why the native host refuses the filter of the config file at
+    `path` (e.g. the shipped envoy.yaml's `outcome_lookup`), naming the file; else None."""
+    if not native():
+        return None
+    refused = _native_file_config(path)[1]
+    return f"{next(iter(refused.values()))}: {Path(path).name}" if refused else None
+
+
+def native_config_file(path: Path) -> Path:
+    """For IDEM_HOST=native: the config file at `path` as `for_native` makes it, written beside
+    it (`<name>.native.json`). A config whose filter the native host refuses skips the test
+    with the reason (`file_refusal`)."""
+    reason = file_refusal(path)
+    if reason:
+        skip(reason)
+    out = Path(path).with_name(Path(path).stem + ".native.json")
+    out.write_text(json.dumps(_native_file_config(path)[0], indent=2))
+    return out
 
 
 SHIPPED_ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
@@ -960,9 +1332,14 @@ def envoy_refused(proc: Proc, admin_port: int, timeout: float = 15.0) -> str:
 
 def spawn_envoy_config(run_dir: Path, name: str, config: dict, admin_port: int, ports: dict[str, int],
                        log_level: str = "info", concurrency: int = 2, env: dict | None = None) -> Envoy:
-    """Launch an Envoy from a full config (its admin and listener ports given), not waiting."""
+    """Launch an Envoy from a full config (its admin and listener ports given), not waiting.
+    Under IDEM_HOST=native the listeners whose filter the native host refuses are left out
+    (`for_native`): `Envoy.port` of one skips the test with the reason."""
+    left_out: dict[str, str] = {}
+    if native():
+        config, left_out = for_native(config, leave_out_refused=True)
     proc = launch_envoy(run_dir, name, config, log_level=log_level, concurrency=concurrency, env=env)
-    return Envoy(proc, admin_port, dict(ports), Path(proc.argv[2]))
+    return Envoy(proc, admin_port, dict(ports), Path(proc.argv[2]), left_out)
 
 
 def await_envoy(envoy: Envoy, timeout: float = 30.0) -> Envoy:
@@ -971,6 +1348,8 @@ def await_envoy(envoy: Envoy, timeout: float = 30.0) -> Envoy:
     await_ready(proc, lambda: http_get_status(admin_port, "/ready")[1].strip() == b"LIVE",
                 f"{proc.name} admin /ready LIVE", timeout=timeout)
     for ln, port in envoy.ports.items():
+        if ln in envoy.left_out:  # not in its config (`for_native`)
+            continue
         await_ready(proc, lambda p=port: tcp_accepts(p), f"{proc.name} listener {ln} on {port}", timeout=timeout)
     return envoy
 

@@ -147,7 +147,8 @@ BUFFER_BYTES = 1048576 + 65536  # max_body_bytes plus room, so the filter's 413 
 
 def istio_filters(wasm: str, buffer_filter: bool = True, **cfg) -> list[dict]:
     f = h.wasm_filter(plugin_config(pause_on_headers=False, **cfg), wasm)
-    f["typed_config"]["config"]["allow_on_headers_stop_iteration"] = False
+    if not h.native():  # the module has no such Envoy setting: `pause_on_headers` is all
+        f["typed_config"]["config"]["allow_on_headers_stop_iteration"] = False
     buffer = {
         "name": "envoy.filters.http.buffer",
         "typed_config": {
