@@ -15,7 +15,9 @@
 #![no_main]
 
 use idempotency_filter::config::patterns::{MediaPattern, StatusSet};
-use idempotency_filter::config::values::{Inbox, JsonPrint, MessageIdSource, Mode, StoreTransport, Subject, TooLarge};
+use idempotency_filter::config::values::{
+    Inbox, JsonPrint, MessageIdSource, Mode, StoreTransport, Subject, TooLarge,
+};
 use idempotency_filter::config::{self, Config};
 use idempotency_filter::http::headers;
 use idempotency_filter::request::fingerprint::{json_body_hash, spells_number_token};

@@ -252,6 +252,18 @@ def plugin_value(wasm: dict) -> dict:
     return json.loads(wasm["typed_config"]["config"]["configuration"]["value"])
 
 
+def guard_value(node) -> dict | None:
+    """The configuration of a guard: the wasm filter's, or the native host's (envoy/native.yaml)."""
+    if not isinstance(node, dict):
+        return None
+    typed = node.get("typed_config", {})
+    if node.get("name") == "envoy.filters.http.wasm" and "config" in typed:
+        return plugin_value(node)
+    if str(typed.get("@type", "")).endswith("dynamic_modules.v3.DynamicModuleFilter"):
+        return json.loads(typed["filter_config"]["value"])
+    return None
+
+
 def bootstraps_with_replay() -> list[Path]:
     return [p for p in sorted(ENVOY_DIR.rglob("*.yaml"))
             if "static_resources" in p.read_text() and h.REPLAY_NAME in p.read_text()]
@@ -267,9 +279,8 @@ def test_replay_listener_is_sized_to_the_guards_records(path):
                 and n.get("name") == "envoy.filters.http.wasm" and "config" in n.get("typed_config", {})]
     assert replay["mode"] == "grpc_replay"
     reads = replay.get("max_record_bytes", h.DEFAULT_MAX_RECORD_BYTES)
-    guards = [plugin_value(n) for ln in res["listeners"] if ln["name"] != h.REPLAY_NAME
-              for n in walk(ln) if isinstance(n, dict) and n.get("name") == "envoy.filters.http.wasm"
-              and "config" in n.get("typed_config", {})]
+    guards = [guard_value(n) for ln in res["listeners"] if ln["name"] != h.REPLAY_NAME
+              for n in walk(ln) if guard_value(n) is not None]
     kept = [g.get("max_record_bytes", h.DEFAULT_MAX_RECORD_BYTES) for g in guards]
     kept += [p.get("max_record_bytes", g.get("max_record_bytes", h.DEFAULT_MAX_RECORD_BYTES))
              for g in guards for p in (g.get("routes") or {}).values()]
