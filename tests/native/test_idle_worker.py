@@ -31,8 +31,6 @@ def redis(run_dir):
     proc.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="native host: a store answer after its stream ended waits for the "
-                                       "worker's next stream (src/host/native/link.rs)")
 @pytest.mark.parametrize("backend", ["memory", "redis"])
 def test_a_commit_answered_after_the_stream_ended_is_counted(run_dir, upstream, redis, backend):
     store = {"memory": True} if backend == "memory" else {"redis": f"redis://{h.LOOPBACK}:{redis}"}

@@ -15,7 +15,7 @@ use super::env::NativeEnv;
 use super::link::{Event, Link};
 use super::module::Shared;
 use crate::host::calls::{GrpcStream, HostCalls, HttpCall, LocalReply, Map, MetricKind, Status};
-use crate::worker::env::Env;
+use crate::worker::env::{Clock, Env};
 use idem_protocol::stream::Call;
 
 /// The root's id: calls on it have no stream.
@@ -37,6 +37,13 @@ pub struct NativeCalls {
     /// The effective stream (null: the root).
     current: Cell<abi::HttpFilterEnvoyPtr>,
     next_token: Cell<u32>,
+    /// The stream whose response's last frame is in its hook now: the store calls it sends
+    /// hold that frame until they are answered (see `module.rs`, "Holding a response's end").
+    response_end: Cell<Option<u32>>,
+    /// Each held call's id, and its stream ...
+    held_calls: RefCell<HashMap<u64, u32>>,
+    /// ... and each held stream's calls outstanding, and since when (µs).
+    held: RefCell<HashMap<u32, (usize, u64)>>,
 }
 
 fn ok(done: bool, status: Status) -> Result<(), Status> {
@@ -55,6 +62,9 @@ impl NativeCalls {
             streams: RefCell::default(),
             current: Cell::new(std::ptr::null_mut()),
             next_token: Cell::new(1),
+            response_end: Cell::new(None),
+            held_calls: RefCell::default(),
+            held: RefCell::default(),
         }
     }
 
@@ -63,9 +73,52 @@ impl NativeCalls {
     }
 
     pub fn remove_stream(&self, id: u32) {
+        if self.held.borrow_mut().remove(&id).is_some() {
+            self.held_calls.borrow_mut().retain(|_, s| *s != id);
+        }
         let removed = self.streams.borrow_mut().remove(&id);
         if removed == Some(self.current.get()) {
             self.current.set(std::ptr::null_mut());
+        }
+    }
+
+    /// Stream `id`'s response ends in the hook that runs now (`None`: the hook is over); whether
+    /// the calls it sent hold that end.
+    pub fn response_end(&self, id: Option<u32>) -> bool {
+        let was = self.response_end.replace(id);
+        was.is_some_and(|s| self.held.borrow().contains_key(&s))
+    }
+
+    /// The answer to call `id` was taken: the stream its end releases, if that was its last.
+    pub fn answered(&self, id: u64) -> Option<u32> {
+        let stream = self.held_calls.borrow_mut().remove(&id)?;
+        let mut held = self.held.borrow_mut();
+        let outstanding = held.get_mut(&stream)?;
+        outstanding.0 = outstanding.0.saturating_sub(1);
+        if outstanding.0 > 0 {
+            return None;
+        }
+        held.remove(&stream);
+        Some(stream)
+    }
+
+    /// Streams held since before `since_us`: their calls went unanswered (the coordinator has
+    /// timed them out); their ends go on.
+    pub fn overdue(&self, since_us: u64) -> Vec<u32> {
+        let mut held = self.held.borrow_mut();
+        let late: Vec<u32> = held.iter().filter(|(_, (_, at))| *at < since_us).map(|(s, _)| *s).collect();
+        for s in &late {
+            held.remove(s);
+        }
+        self.held_calls.borrow_mut().retain(|_, s| !late.contains(s));
+        late
+    }
+
+    /// Lets stream `id`'s held response go on, if Envoy still has it.
+    pub fn release(&self, id: u32) {
+        if let Some(&filter) = self.streams.borrow().get(&id) {
+            // SAFETY: a live stream (removed from `streams` when destroyed).
+            unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_encoding(filter) };
         }
     }
 
@@ -210,9 +263,14 @@ impl HostCalls for NativeCalls {
 
     fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status> {
         let call = Call::decode(message).map_err(|_| PARSE_FAILURE)?;
+        if let Some(stream) = self.response_end.get() {
+            self.held_calls.borrow_mut().insert(call.id, stream);
+            let now = NativeEnv.now_us().unwrap_or(0);
+            self.held.borrow_mut().entry(stream).or_insert((0, now)).0 += 1;
+        }
         let link = Arc::clone(&self.link);
         let answered = move |answer: idem_protocol::stream::Answer| {
-            link.push(Event::Message { token, bytes: answer.encode_to_vec() });
+            link.push(Event::Message { token, id: answer.id, bytes: answer.encode_to_vec() });
         };
         ok(self.shared.store.call(call, answered), INTERNAL_FAILURE)
     }

@@ -31,7 +31,7 @@ pub struct Queued {
 
 pub enum Event {
     /// An answer on the store stream `token`.
-    Message { token: u32, bytes: Vec<u8> },
+    Message { token: u32, id: u64, bytes: Vec<u8> },
     /// The coordinator's tick is due.
     Tick,
     /// The coordinator asked to be woken (`Command::Wake`).

@@ -34,6 +34,9 @@ use crate::worker::coordinator::Stepped;
 /// The `filter_name` this module answers to.
 pub const FILTER_NAME: &str = "idempotency";
 
+/// The longest a response's end is held for its store calls (they time out long before).
+const HOLD_AT_MOST_US: u64 = 5_000_000;
+
 /// The largest record a store call may carry: idemstore's default `--max-body-bytes`.
 const MAX_RECORD_BYTES: usize = 8 * 1024 * 1024;
 
@@ -373,10 +376,22 @@ impl Worker {
             let _ = self.vm.host().set_effective_context(ROOT);
             let at = At(at_us);
             match event {
-                Event::Message { token, bytes } => self.vm.run(|c| c.on_stream_message(token, &bytes, &at)),
-                Event::Tick => self.vm.run(|c| c.on_tick(&at)),
-                Event::Wake => self.vm.run(|c| c.on_queue_ready(&at)),
-            };
+                Event::Message { token, id, bytes } => {
+                    self.vm.run(|c| c.on_stream_message(token, &bytes, &at));
+                    if let Some(stream) = self.vm.host().answered(id) {
+                        self.vm.host().release(stream);
+                    }
+                }
+                Event::Tick => {
+                    self.vm.run(|c| c.on_tick(&at));
+                    for stream in self.vm.host().overdue(at_us.saturating_sub(HOLD_AT_MOST_US)) {
+                        self.vm.host().release(stream);
+                    }
+                }
+                Event::Wake => {
+                    self.vm.run(|c| c.on_queue_ready(&at));
+                }
+            }
         }
     }
 
@@ -459,6 +474,31 @@ impl Filter {
         }
         if action == Action::Pause {
             self.wake_through(w, envoy);
+        }
+        action
+    }
+
+    /// Holding a response's end: a guarded response's last frame sends its commit (or release)
+    /// and is held until the store has answered it. Envoy 1.40 lets another thread onto a
+    /// worker only through a live stream's scheduler: an answer that came after the worker's last
+    /// stream ended would wait for its next stream, and so would the counters and bookkeeping it
+    /// brings. It costs that frame one store round trip, and a retry that comes right after the
+    /// answer finds the record, never the lock.
+    fn response_end(
+        &self,
+        envoy: abi::HttpFilterEnvoyPtr,
+        end: bool,
+        event: impl FnOnce(&mut Machine, &NativeView) -> Step,
+    ) -> Action {
+        let Some(w) = &self.worker else { return Action::Continue };
+        if !end || self.passive.get() {
+            return self.event(envoy, event);
+        }
+        w.vm.host().response_end(Some(self.id));
+        let action = self.event(envoy, event);
+        if w.vm.host().response_end(None) {
+            self.wake_through(w, envoy);
+            return Action::Pause;
         }
         action
     }
@@ -594,7 +634,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
             w.enter(f.id);
             w.vm.restore_content_type(f.id);
         }
-        headers_status(f.event(envoy, |m, v| m.on_response_headers(v, end_of_stream)))
+        headers_status(f.response_end(envoy, end_of_stream, |m, v| m.on_response_headers(v, end_of_stream)))
     })
 }
 
@@ -607,7 +647,9 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     guard("response_body", abi::BodyStatus::CONTINUE, || {
         // SAFETY: a live stream's module pointer.
         let Some(f) = (unsafe { filter(module) }) else { return abi::BodyStatus::CONTINUE };
-        body_status(f.event(envoy, |m, v| m.on_response_body(v, v.response_body_size(), end_of_stream)))
+        body_status(f.response_end(envoy, end_of_stream, |m, v| {
+            m.on_response_body(v, v.response_body_size(), end_of_stream)
+        }))
     })
 }
 
@@ -619,7 +661,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
     guard("response_trailers", abi::TrailersStatus::CONTINUE, || {
         // SAFETY: a live stream's module pointer.
         let Some(f) = (unsafe { filter(module) }) else { return abi::TrailersStatus::CONTINUE };
-        trailers_status(f.event(envoy, |m, v| m.on_response_trailers(v)))
+        trailers_status(f.response_end(envoy, true, |m, v| m.on_response_trailers(v)))
     })
 }
 
