@@ -271,12 +271,9 @@ E2E_CALLOUT_TESTS ?= tests/contract tests/failures/test_drills.py tests/failures
 # A third pass runs the contract suite (E2E_NATIVE_TESTS) on the native host (IDEM_HOST=native,
 # tests/support/harness.py `host`: the dynamic module with its store in Envoy, on the in-memory
 # and the Redis stacks), so that one test file serves both hosts; `IDEM_HOST=native make e2e
-# E2E_TESTS=tests/contract` runs the first pass that way. Not yet part of `make test`
-# (E2E_NATIVE=1 adds it): on the native host a worker counts a store answer that came after
-# its last stream ended only when its next stream comes (docs/native.md, "Not yet"), and the
-# suite's tests that wait for a counter (`stored`) after a request see that (301 passed, 46
-# failed, all of them such waits, on 2026-12-07). tests/native/ runs in the first pass.
-E2E_NATIVE ?=
+# E2E_TESTS=tests/contract` runs the first pass that way. E2E_NATIVE=0 leaves it out.
+# tests/native/ (the module's own tests and drills) runs in the first pass.
+E2E_NATIVE ?= 1
 E2E_NATIVE_TESTS ?= tests/contract
 e2e: build envoy venv redis promtool
 	FILTER_WASM="$(WASM)" FILTER_MODULE="$(MODULE)" IDEMSTORE_BIN="$(IDEMSTORE)" ENVOY_BIN="$(ENVOY_BIN)" \

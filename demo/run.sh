@@ -25,7 +25,7 @@ if [[ "$NATIVE" == 1 ]]; then
   ENVOY_CONFIG=envoy/native.yaml
   REDIS=1
   [[ -z "${REDIS_URL:-}" ]] || { echo "run: NATIVE=1 uses the Redis of envoy/native.yaml (127.0.0.1:6379); unset REDIS_URL" >&2; exit 1; }
-  need=("$ENVOY_BIN" "$MODULE" "$WASM")
+  need=("$ENVOY_BIN" "$MODULE")
 else
   need=("$ENVOY_BIN" "$IDEMSTORE_BIN" "$WASM")
 fi

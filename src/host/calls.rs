@@ -52,6 +52,11 @@ pub struct LocalReply<'a> {
     pub status: u32,
     pub headers: &'a [(String, String)],
     pub body: Option<&'a [u8]>,
+    /// Trailers after the body (the replay listener's answer). A host whose local reply cannot
+    /// carry them leaves them to the machine, which adds them as the reply passes its response
+    /// callback (the wasm one).
+    #[cfg_attr(all(not(feature = "native"), not(test)), allow(dead_code))]
+    pub trailers: Option<&'a [(String, String)]>,
 }
 
 /// An HTTP callout: to `cluster`, given up after `timeout`.

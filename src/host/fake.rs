@@ -17,6 +17,7 @@ pub enum HostCall {
         status: u32,
         headers: Vec<(String, String)>,
         body: Option<Vec<u8>>,
+        trailers: Option<Vec<(String, String)>>,
     },
     ResumeRequest,
     SetHeader {
@@ -140,7 +141,8 @@ impl HostCalls for Fake {
 
     fn send_local_response(&self, r: LocalReply<'_>) -> Result<(), Status> {
         let (status, headers, body) = (r.status, r.headers.to_vec(), r.body.map(<[u8]>::to_vec));
-        self.call(HostCall::SendLocalResponse { status, headers, body })
+        let trailers = r.trailers.map(<[_]>::to_vec);
+        self.call(HostCall::SendLocalResponse { status, headers, body, trailers })
     }
 
     fn resume_request(&self) -> Result<(), Status> {

@@ -205,7 +205,12 @@ fn a_local_answer_goes_to_its_stream() {
         vm.host().take_calls(),
         vec![
             HostCall::SetEffectiveContext(7),
-            HostCall::SendLocalResponse { status: 409, headers: r.headers, body: Some(r.body) },
+            HostCall::SendLocalResponse {
+                status: 409,
+                headers: r.headers,
+                body: Some(r.body),
+                trailers: None
+            },
         ]
     );
     assert!(vm.host().take_logs().is_empty());
@@ -294,7 +299,12 @@ fn a_hop_step_that_fails_answers_the_fallback_and_never_resumes() {
             path: vec![INSTANCE_PROPERTY.into()],
             value: b"urn:uuid:i".to_vec(),
         });
-        expected.push(HostCall::SendLocalResponse { status: 503, headers: fallback.headers, body: None });
+        expected.push(HostCall::SendLocalResponse {
+            status: 503,
+            headers: fallback.headers,
+            body: None,
+            trailers: None,
+        });
         assert_eq!(vm.host().take_calls(), expected, "{name}");
         let line = format!(
             "cannot re-route a gRPC replay ({name}): request r key k: refused replay-failed (grpc-status 14), \

@@ -176,7 +176,13 @@ impl<H: HostCalls> Vm<H> {
     /// Also from a root callback (a store answer): the answer is for `stream`.
     fn respond(&self, stream: u32, r: &LocalResponse) -> Option<Report> {
         let _ = self.host.set_effective_context(stream);
-        let reply = LocalReply { status: r.status, headers: &r.headers, body: Some(&r.body) };
+        let trailers = self.coordinator.try_borrow().ok().and_then(|c| c.answer_trailers(stream));
+        let reply = LocalReply {
+            status: r.status,
+            headers: &r.headers,
+            body: Some(&r.body),
+            trailers: trailers.as_deref(),
+        };
         let Err(s) = self.host.send_local_response(reply) else { return None };
         self.log(Level::Warn, format_args!("cannot send local response {}: {s:?}", r.status));
         Some(Report::RespondFailed { stream })
@@ -207,7 +213,8 @@ impl<H: HostCalls> Vm<H> {
         let Err(step) = self.hop_steps(record, body_len) else { return };
         self.log(Level::Warn, format_args!("cannot re-route a gRPC replay ({step}): {refusal}"));
         self.set_instance(instance);
-        let reply = LocalReply { status: fallback.status, headers: &fallback.headers, body: None };
+        let reply =
+            LocalReply { status: fallback.status, headers: &fallback.headers, body: None, trailers: None };
         if let Err(s) = self.host.send_local_response(reply) {
             self.log(Level::Warn, format_args!("cannot send local response: {s:?}"));
         }

@@ -2,14 +2,12 @@
 the commit of an answered request (the commit is off the client's path: it is sent as the
 answer goes out). Envoy 1.40's only way onto a worker from another thread is the scheduler of
 one of the worker's live streams (a scheduler holds its filter by weak reference: once the
-stream is destroyed, a commit on it is dropped). The module queues such an answer until the
-worker's next stream (src/host/native/link.rs), so on an idle worker the coordinator never
-sees it: `stored` and the gauge `store_stream_calls` stay where they were, a failed commit is
-neither counted nor logged, and the worker's ticks do not run.
+stream is destroyed, a commit on it is dropped). With no stream to wake, the store's thread
+runs the worker's coordinator itself, under the worker's baton (src/host/native/link.rs), so
+`stored` is counted at once, not at the worker's next stream.
 
-Known bug (xfail, strict: the day the module delivers these answers, this test passes and
-must lose its mark). One Envoy with one worker (`--concurrency 1`), so that no other stream can
-happen to carry the answer, and nothing else sent to it between a request and the check.
+One Envoy with one worker (`--concurrency 1`), so that no other stream can happen to carry the
+answer, and nothing else sent to it between a request and the check.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""A replay is Envoy's local reply, and Envoy's local reply changes the content type: it removes it
-when the body is empty and sets `text/plain` when a body has none (Utility::prepareLocalReply).
-The wasm filter gives the stored header (or its absence) back in its own response-headers
-callback, which Envoy runs for a local reply too. Envoy 1.40's dynamic module filter skips the
-module's encode hooks for its own local reply (`sent_local_reply_`), so the native host's
-`restore_content_type` (src/host/native/module.rs, response headers) never runs for a replay.
+"""A replay keeps the stored content type exactly. Envoy's local reply changes it: it removes it
+when the body is empty and sets `text/plain` when a body has none (Utility::prepareLocalReply);
+the wasm filter gives the stored header (or its absence) back in its own response-headers
+callback, which Envoy runs for a local reply too. Envoy 1.40 skips a module's encode hooks for
+its own local reply, so the native host sends its answers as headers, body and trailers
+(`send_response_headers`/`_data`/`_trailers`), which Envoy leaves as they are
+(src/host/native/calls.rs, `send_local_response`).
 
-Known bug (xfail, strict: it must lose its mark once the native host replays these exactly).
 The same cases as tests/contract/test_record.py `test_replay_keeps_the_content_type_exactly`,
 each on its own key; the retry waits for the commit on the lock (`lock_wait_ms` 5 s).
 """
@@ -42,8 +42,6 @@ def envoy(run_dir, upstream):
     e.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="native host: Envoy skips the module's encode hooks for its own local "
-                                       "reply, so a replay's content type is Envoy's, not the stored one")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_replay_keeps_the_stored_content_type(envoy, upstream, case):
     headers, ctype = CASES[case]

@@ -275,8 +275,7 @@ def test_replay_listener_is_sized_to_the_guards_records(path):
     res = doc["static_resources"]
     [listener] = [ln for ln in res["listeners"] if ln["name"] == h.REPLAY_NAME]
     [cluster] = [c for c in res["clusters"] if c["name"] == h.REPLAY_NAME]
-    [replay] = [plugin_value(n) for n in walk(listener) if isinstance(n, dict)
-                and n.get("name") == "envoy.filters.http.wasm" and "config" in n.get("typed_config", {})]
+    [replay] = [guard_value(n) for n in walk(listener) if guard_value(n) is not None]
     assert replay["mode"] == "grpc_replay"
     reads = replay.get("max_record_bytes", h.DEFAULT_MAX_RECORD_BYTES)
     guards = [guard_value(n) for ln in res["listeners"] if ln["name"] != h.REPLAY_NAME

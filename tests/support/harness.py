@@ -1202,6 +1202,9 @@ def launch_envoy(run_dir: Path, name: str, config: dict, log_level: str = "info"
     path = write_config(run_dir, name, config)
     argv = [envoy_bin(), "-c", str(path), "--base-id", str(next(_BASE_IDS)), "--disable-hot-restart",
             "--concurrency", str(concurrency), "-l", log_level]
+    # IDEM_ENVOY_COMPONENT_LOG=dynamic_modules:debug,wasm:debug: a debugging aid.
+    if os.environ.get("IDEM_ENVOY_COMPONENT_LOG"):
+        argv += ["--component-log-level", os.environ["IDEM_ENVOY_COMPONENT_LOG"]]
     return start(name, argv, run_dir, env=env)
 
 

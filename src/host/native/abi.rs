@@ -773,6 +773,38 @@ extern "C" {
         details: ModuleBuffer,
     );
 
+    /// `void envoy_dynamic_module_callback_http_send_response_headers(filter_envoy_ptr,
+    /// module_http_header* headers_vector, size_t headers_vector_size, bool end_stream)` (S1,
+    /// S2): the response's headers as given (`:status` among them), sent down the encoder
+    /// filters; unlike `send_response`, nothing is added or rewritten. [sym][run]: a replayed
+    /// `204` keeps its content type, an unlabelled body stays unlabelled (tests/contract's
+    /// test_record.py on the native host).
+    pub fn envoy_dynamic_module_callback_http_send_response_headers(
+        filter_envoy_ptr: HttpFilterEnvoyPtr,
+        headers_vector: *const ModuleHttpHeader,
+        headers_vector_size: usize,
+        end_stream: bool,
+    );
+
+    /// `void envoy_dynamic_module_callback_http_send_response_data(filter_envoy_ptr,
+    /// module_buffer data, bool end_stream)` (S1, S2). [sym][run]: the body after
+    /// `send_response_headers`, byte for byte (a 1 MiB gRPC message replayed).
+    pub fn envoy_dynamic_module_callback_http_send_response_data(
+        filter_envoy_ptr: HttpFilterEnvoyPtr,
+        data: ModuleBuffer,
+        end_stream: bool,
+    );
+
+    /// `void envoy_dynamic_module_callback_http_send_response_trailers(filter_envoy_ptr,
+    /// module_http_header* trailers_vector, size_t trailers_vector_size)` (S1, S2): ends the
+    /// stream. [sym][run]: a gRPC replay's `grpc-status` and custom trailers reach the client
+    /// through the replay listener (tests/contract's test_grpc.py on the native host).
+    pub fn envoy_dynamic_module_callback_http_send_response_trailers(
+        filter_envoy_ptr: HttpFilterEnvoyPtr,
+        trailers_vector: *const ModuleHttpHeader,
+        trailers_vector_size: usize,
+    );
+
     // ----------------------------------- body --------------------------------------
 
     /// `size_t envoy_dynamic_module_callback_http_get_body_size(filter_envoy_ptr, body_type)`

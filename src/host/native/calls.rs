@@ -15,7 +15,7 @@ use super::env::NativeEnv;
 use super::link::{Event, Link};
 use super::module::Shared;
 use crate::host::calls::{GrpcStream, HostCalls, HttpCall, LocalReply, Map, MetricKind, Status};
-use crate::worker::env::{Clock, Env};
+use crate::worker::env::Env;
 use idem_protocol::stream::Call;
 
 /// The root's id: calls on it have no stream.
@@ -30,6 +30,9 @@ const INTERNAL_FAILURE: Status = Status(10);
 /// either host.
 const FILTER_STATE_PREFIX: &str = "wasm.";
 
+/// The most histogram values kept for the worker's thread (see `record_metric`).
+const MAX_DEFERRED: usize = 4096;
+
 pub struct NativeCalls {
     shared: Arc<Shared>,
     link: Arc<Link>,
@@ -37,13 +40,10 @@ pub struct NativeCalls {
     /// The effective stream (null: the root).
     current: Cell<abi::HttpFilterEnvoyPtr>,
     next_token: Cell<u32>,
-    /// The stream whose response's last frame is in its hook now: the store calls it sends
-    /// hold that frame until they are answered (see `module.rs`, "Holding a response's end").
-    response_end: Cell<Option<u32>>,
-    /// Each held call's id, and its stream ...
-    held_calls: RefCell<HashMap<u64, u32>>,
-    /// ... and each held stream's calls outstanding, and since when (µs).
-    held: RefCell<HashMap<u32, (usize, u64)>>,
+    /// Calls come from a store thread running the coordinator for the worker (see `link.rs`):
+    /// no stream may be touched, and histogram values wait for the worker's thread.
+    elsewhere: Cell<bool>,
+    deferred: RefCell<Vec<(u32, u64)>>,
 }
 
 fn ok(done: bool, status: Status) -> Result<(), Status> {
@@ -62,9 +62,8 @@ impl NativeCalls {
             streams: RefCell::default(),
             current: Cell::new(std::ptr::null_mut()),
             next_token: Cell::new(1),
-            response_end: Cell::new(None),
-            held_calls: RefCell::default(),
-            held: RefCell::default(),
+            elsewhere: Cell::new(false),
+            deferred: RefCell::default(),
         }
     }
 
@@ -73,52 +72,27 @@ impl NativeCalls {
     }
 
     pub fn remove_stream(&self, id: u32) {
-        if self.held.borrow_mut().remove(&id).is_some() {
-            self.held_calls.borrow_mut().retain(|_, s| *s != id);
-        }
         let removed = self.streams.borrow_mut().remove(&id);
         if removed == Some(self.current.get()) {
             self.current.set(std::ptr::null_mut());
         }
     }
 
-    /// Stream `id`'s response ends in the hook that runs now (`None`: the hook is over); whether
-    /// the calls it sent hold that end.
-    pub fn response_end(&self, id: Option<u32>) -> bool {
-        let was = self.response_end.replace(id);
-        was.is_some_and(|s| self.held.borrow().contains_key(&s))
-    }
-
-    /// The answer to call `id` was taken: the stream its end releases, if that was its last.
-    pub fn answered(&self, id: u64) -> Option<u32> {
-        let stream = self.held_calls.borrow_mut().remove(&id)?;
-        let mut held = self.held.borrow_mut();
-        let outstanding = held.get_mut(&stream)?;
-        outstanding.0 = outstanding.0.saturating_sub(1);
-        if outstanding.0 > 0 {
-            return None;
+    /// Calls come from another thread than the worker's (`true`) or from it again.
+    pub fn set_elsewhere(&self, elsewhere: bool) {
+        self.elsewhere.set(elsewhere);
+        if elsewhere {
+            self.current.set(std::ptr::null_mut());
         }
-        held.remove(&stream);
-        Some(stream)
     }
 
-    /// Streams held since before `since_us`: their calls went unanswered (the coordinator has
-    /// timed them out); their ends go on.
-    pub fn overdue(&self, since_us: u64) -> Vec<u32> {
-        let mut held = self.held.borrow_mut();
-        let late: Vec<u32> = held.iter().filter(|(_, (_, at))| *at < since_us).map(|(s, _)| *s).collect();
-        for s in &late {
-            held.remove(s);
+    /// On the worker's thread: the histogram values recorded elsewhere.
+    pub fn record_deferred(&self) {
+        if self.deferred.borrow().is_empty() {
+            return;
         }
-        self.held_calls.borrow_mut().retain(|_, s| !late.contains(s));
-        late
-    }
-
-    /// Lets stream `id`'s held response go on, if Envoy still has it.
-    pub fn release(&self, id: u32) {
-        if let Some(&filter) = self.streams.borrow().get(&id) {
-            // SAFETY: a live stream (removed from `streams` when destroyed).
-            unsafe { abi::envoy_dynamic_module_callback_http_filter_continue_encoding(filter) };
+        for (id, value) in std::mem::take(&mut *self.deferred.borrow_mut()) {
+            let _ = self.shared.metrics.record(&self.shared.envoy, id, value);
         }
     }
 
@@ -147,27 +121,59 @@ impl HostCalls for NativeCalls {
             self.current.set(std::ptr::null_mut());
             return Ok(());
         }
+        if self.elsewhere.get() {
+            return Err(NOT_FOUND);
+        }
         let filter = self.streams.borrow().get(&context).copied().ok_or(NOT_FOUND)?;
         self.current.set(filter);
         Ok(())
     }
 
+    /// Sent as headers, body and trailers, exactly as given: Envoy's local reply would label an
+    /// unlabelled body `text/plain`, drop the content type of an empty one, and carry no
+    /// trailers; and this module's own response callbacks do not see what it sends.
     fn send_local_response(&self, reply: LocalReply<'_>) -> Result<(), Status> {
         let filter = self.filter()?;
-        let headers: Vec<ModuleHttpHeader> =
-            reply.headers.iter().map(|(k, v)| ModuleHttpHeader::new(k.as_bytes(), v.as_bytes())).collect();
-        let body = reply.body.map_or(ModuleBuffer::null(), ModuleBuffer::from_bytes);
+        let status = reply.status.to_string();
+        let body = reply.body.unwrap_or_default();
+        let length = body.len().to_string();
+        let mut headers = Vec::with_capacity(reply.headers.len() + 2);
+        headers.push(ModuleHttpHeader::new(b":status", status.as_bytes()));
+        headers.extend(reply.headers.iter().map(|(k, v)| ModuleHttpHeader::new(k.as_bytes(), v.as_bytes())));
+        // A gRPC answer (trailers follow) says no length.
+        let sized = reply.headers.iter().any(|(k, _)| k == "content-length");
+        if !body.is_empty() && reply.trailers.is_none() && !sized {
+            headers.push(ModuleHttpHeader::new(b"content-length", length.as_bytes()));
+        }
+        let trailers: Vec<ModuleHttpHeader> = reply
+            .trailers
+            .unwrap_or_default()
+            .iter()
+            .map(|(k, v)| ModuleHttpHeader::new(k.as_bytes(), v.as_bytes()))
+            .collect();
         // SAFETY: a live stream (removed from `streams` when destroyed); every buffer outlives
-        // the call, which copies them.
+        // the calls, which copy them.
         unsafe {
-            abi::envoy_dynamic_module_callback_http_send_response(
+            abi::envoy_dynamic_module_callback_http_send_response_headers(
                 filter,
-                reply.status,
                 headers.as_ptr(),
                 headers.len(),
-                body,
-                ModuleBuffer::from_str("idempotency_filter"),
+                body.is_empty() && trailers.is_empty(),
             );
+            if !body.is_empty() {
+                abi::envoy_dynamic_module_callback_http_send_response_data(
+                    filter,
+                    ModuleBuffer::from_bytes(body),
+                    trailers.is_empty(),
+                );
+            }
+            if !trailers.is_empty() {
+                abi::envoy_dynamic_module_callback_http_send_response_trailers(
+                    filter,
+                    trailers.as_ptr(),
+                    trailers.len(),
+                );
+            }
         }
         Ok(())
     }
@@ -263,14 +269,9 @@ impl HostCalls for NativeCalls {
 
     fn grpc_send(&self, token: u32, message: &[u8]) -> Result<(), Status> {
         let call = Call::decode(message).map_err(|_| PARSE_FAILURE)?;
-        if let Some(stream) = self.response_end.get() {
-            self.held_calls.borrow_mut().insert(call.id, stream);
-            let now = NativeEnv.now_us().unwrap_or(0);
-            self.held.borrow_mut().entry(stream).or_insert((0, now)).0 += 1;
-        }
         let link = Arc::clone(&self.link);
         let answered = move |answer: idem_protocol::stream::Answer| {
-            link.push(Event::Message { token, id: answer.id, bytes: answer.encode_to_vec() });
+            link.push(Event::Message { token, bytes: answer.encode_to_vec() });
         };
         ok(self.shared.store.call(call, answered), INTERNAL_FAILURE)
     }
@@ -299,6 +300,14 @@ impl HostCalls for NativeCalls {
     }
 
     fn record_metric(&self, id: u32, value: u64) -> Result<(), Status> {
+        if self.elsewhere.get() && self.shared.metrics.is_histogram(id) {
+            let mut deferred = self.deferred.borrow_mut();
+            // Bounded: a worker with no stream makes no new calls, so this holds a few answers.
+            if deferred.len() < MAX_DEFERRED {
+                deferred.push((id, value));
+            }
+            return Ok(());
+        }
         self.shared.metrics.record(&self.shared.envoy, id, value)
     }
 

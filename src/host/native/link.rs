@@ -2,6 +2,12 @@
 //! wake-ups) wait in a queue, and the worker is woken through the scheduler of one of its live
 //! streams, the only way another thread can run code on an Envoy worker.
 //!
+//! A worker with no stream to wake (its last one ended before the answer came: a response's
+//! commit is answered after the response, a client that went away leaves a release behind) is
+//! not woken: the thread that brings the event runs the worker's coordinator itself, holding
+//! the worker's baton as a hook would, with no stream to touch (see `Worker::drain_here`).
+//! Envoy learns of the event at once (its counters), not at the worker's next stream.
+//!
 //! Shutdown safety: Envoy's scheduler holds the worker's dispatcher by plain reference, so a
 //! commit on a scheduler whose stream is gone (or whose worker has stopped) is a use-after-free.
 //! Schedulers are committed only under this link's lock, and a stream takes its own out of the
@@ -10,7 +16,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 /// How long a scheduled event may take to reach the worker before it is sent again.
@@ -31,7 +37,7 @@ pub struct Queued {
 
 pub enum Event {
     /// An answer on the store stream `token`.
-    Message { token: u32, id: u64, bytes: Vec<u8> },
+    Message { token: u32, bytes: Vec<u8> },
     /// The coordinator's tick is due.
     Tick,
     /// The coordinator asked to be woken (`Command::Wake`).
@@ -46,6 +52,14 @@ pub struct Scheduler(pub abi::HttpFilterSchedulerModulePtr);
 // one while it is registered (see the module docs), and only its stream deletes it.
 unsafe impl Send for Scheduler {}
 
+/// A worker's coordinator, driven from the thread that brings an event when no stream of the
+/// worker can be woken.
+pub trait DrainHere: Send + Sync {
+    /// Runs the queued events on this thread; `false` if this thread may not (it is the
+    /// worker's own, inside a hook, which drains them as the hook ends).
+    fn drain_here(&self) -> bool;
+}
+
 #[derive(Default)]
 struct State {
     events: VecDeque<Queued>,
@@ -55,6 +69,8 @@ struct State {
     committed: Option<u32>,
     committed_at: Option<Instant>,
     tick_queued: bool,
+    /// A thread runs the queue on the worker's behalf (see [`DrainHere`]).
+    draining: bool,
 }
 
 pub struct Link {
@@ -66,6 +82,8 @@ pub struct Link {
     /// ... started once, and woken when a period is set again.
     ticking: AtomicBool,
     tick_set: tokio::sync::Notify,
+    /// The worker this link serves, once it is made.
+    worker: OnceLock<Weak<dyn DrainHere>>,
 }
 
 impl Default for Link {
@@ -76,6 +94,7 @@ impl Default for Link {
             tick_ms: AtomicU64::new(0),
             ticking: AtomicBool::new(false),
             tick_set: tokio::sync::Notify::new(),
+            worker: OnceLock::new(),
         }
     }
 }
@@ -86,19 +105,55 @@ impl Link {
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Queues `event` and wakes the worker (from any thread).
+    /// The worker this link serves (set once, when it is made).
+    pub fn serve(&self, worker: Weak<dyn DrainHere>) {
+        let _ = self.worker.set(worker);
+    }
+
+    /// Queues `event` and wakes the worker (from any thread): through a stream's scheduler, or,
+    /// with none, by running the worker's coordinator here.
     pub fn push(&self, event: Event) {
-        let mut state = self.lock();
-        if matches!(event, Event::Tick) {
-            if state.tick_queued {
+        let here = {
+            let mut state = self.lock();
+            if matches!(event, Event::Tick) {
+                if state.tick_queued {
+                    return;
+                }
+                state.tick_queued = true;
+            }
+            let at_us = NativeEnv.now_us().unwrap_or(0);
+            state.events.push_back(Queued { at_us, event });
+            self.pending.store(true, Ordering::Release);
+            Self::commit(&mut state);
+            Self::drain_here_due(&mut state)
+        };
+        if here {
+            self.drain_here();
+        }
+    }
+
+    /// Under the lock: whether this thread should run the queue (nothing can wake the worker,
+    /// and no other thread runs it already); if so, it is marked as run.
+    fn drain_here_due(state: &mut State) -> bool {
+        let due = state.schedulers.is_empty() && !state.events.is_empty() && !state.draining;
+        if due {
+            state.draining = true;
+        }
+        due
+    }
+
+    /// Runs the queue on the worker's behalf until it stays empty, or leaves it to the worker's
+    /// own thread (inside a hook) or to the stream that registered meanwhile.
+    fn drain_here(&self) {
+        loop {
+            let worker = self.worker.get().and_then(Weak::upgrade);
+            let drained = worker.is_some_and(|w| w.drain_here());
+            let mut state = self.lock();
+            state.draining = false;
+            if !drained || !Self::drain_here_due(&mut state) {
                 return;
             }
-            state.tick_queued = true;
         }
-        let at_us = NativeEnv.now_us().unwrap_or(0);
-        state.events.push_back(Queued { at_us, event });
-        self.pending.store(true, Ordering::Release);
-        Self::commit(&mut state);
     }
 
     /// Under the lock: one event on its way at a time, to the newest live stream (the one most
@@ -138,6 +193,11 @@ impl Link {
             Self::commit(&mut state);
         }
         Some(scheduler)
+    }
+
+    /// Whether no stream can carry a wake-up (the worker's own thread drains as a hook ends).
+    pub fn unwakeable(&self) -> bool {
+        self.lock().schedulers.is_empty()
     }
 
     /// Whether events wait (a hint, without the lock).

@@ -75,6 +75,11 @@ impl Metrics {
         u32::try_from(at).ok()
     }
 
+    /// Whether `id` is a histogram: Envoy records those in its worker threads' caches only.
+    pub fn is_histogram(&self, id: u32) -> bool {
+        self.0.get(id as usize).is_some_and(|(_, kind, _)| *kind == MetricKind::Histogram)
+    }
+
     pub fn increment(&self, envoy: &ConfigEnvoy, id: u32, offset: i64) -> Result<(), Status> {
         let &(_, kind, envoy_id) = self.0.get(id as usize).ok_or(Status(1))?;
         let (envoy, by) = (envoy.0, offset.unsigned_abs());

@@ -8,12 +8,17 @@
 //! * `module`: the hooks Envoy calls; configurations, workers, streams.
 //! * `calls`: `HostCalls` over the ABI (the store stream served in process); `view`: the
 //!   core's `StreamView`; `env`: the clock and the process-wide shared data; `metrics`.
-//! * `link`: how the store's threads hand a worker its answers (the stream schedulers), and why
-//!   that is safe at shutdown.
+//! * `link`: how the store's threads hand a worker its answers (the stream schedulers, or the
+//!   store's thread itself when no stream can be woken), and why that is safe at shutdown;
+//!   `baton`: who may touch a worker's coordinator now.
 //! * `trace`: the store's `tracing` lines into Envoy's log.
 //! * `settings`: the `store` key, checked (pure; unit-tested without the feature).
 
 mod settings;
+
+// Pure (std only): unit-tested without the feature too.
+#[cfg_attr(not(feature = "native"), allow(dead_code))]
+mod baton;
 
 #[cfg(feature = "native")]
 mod abi;

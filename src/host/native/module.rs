@@ -12,14 +12,14 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, Weak};
 
 use super::abi::{self, EnvoyBuffer, LogLevel, ModuleBuffer};
+use super::baton::{Baton, Held};
 use super::calls::{NativeCalls, ROOT};
 use super::env::{random_bytes, At, NativeEnv};
-use super::link::{Event, Link, Queued, Scheduler};
+use super::link::{DrainHere, Event, Link, Queued, Scheduler};
 use super::metrics::Metrics;
 use super::settings::StoreSettings;
 use super::store::InProcess;
@@ -33,9 +33,6 @@ use crate::worker::coordinator::Stepped;
 
 /// The `filter_name` this module answers to.
 pub const FILTER_NAME: &str = "idempotency";
-
-/// The longest a response's end is held for its store calls (they time out long before).
-const HOLD_AT_MOST_US: u64 = 5_000_000;
 
 /// The largest record a store call may carry: idemstore's default `--max-body-bytes`.
 const MAX_RECORD_BYTES: usize = 8 * 1024 * 1024;
@@ -114,7 +111,9 @@ const CALLBACKS: &[&CStr] = &[
     c"envoy_dynamic_module_callback_http_get_headers",
     c"envoy_dynamic_module_callback_http_set_header",
     c"envoy_dynamic_module_callback_http_add_header",
-    c"envoy_dynamic_module_callback_http_send_response",
+    c"envoy_dynamic_module_callback_http_send_response_headers",
+    c"envoy_dynamic_module_callback_http_send_response_data",
+    c"envoy_dynamic_module_callback_http_send_response_trailers",
     c"envoy_dynamic_module_callback_http_get_body_size",
     c"envoy_dynamic_module_callback_http_get_body_chunks_size",
     c"envoy_dynamic_module_callback_http_get_body_chunks",
@@ -194,6 +193,9 @@ pub struct Shared {
     pub metrics: Metrics,
     pub store: InProcess,
     closed: AtomicBool,
+    /// Held (read) by a store thread while it runs a worker's coordinator, which calls Envoy
+    /// through `envoy`; taken (write) when Envoy destroys the configuration.
+    open: RwLock<()>,
 }
 
 pub struct FilterConfig {
@@ -222,7 +224,13 @@ fn configure(envoy: abi::HttpFilterConfigEnvoyPtr, name: &[u8], json: &[u8]) -> 
     let store = InProcess::start(settings.as_ref(), MAX_RECORD_BYTES)?;
     log(log::Level::Info, format_args!("configured; store: {}", store.describe));
     static SERIAL: AtomicU64 = AtomicU64::new(1);
-    let shared = Shared { envoy: ConfigEnvoy(envoy), metrics, store, closed: AtomicBool::new(false) };
+    let shared = Shared {
+        envoy: ConfigEnvoy(envoy),
+        metrics,
+        store,
+        closed: AtomicBool::new(false),
+        open: RwLock::new(()),
+    };
     Ok(FilterConfig {
         serial: SERIAL.fetch_add(1, Ordering::Relaxed),
         json: json.to_vec(),
@@ -285,7 +293,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: abi
         }
         // SAFETY: made by `config_new` with `Box::into_raw`; Envoy destroys it once.
         let cfg = unsafe { Box::from_raw(config.cast_mut().cast::<FilterConfig>()) };
-        cfg.shared.closed.store(true, Ordering::Release);
+        {
+            // No store thread calls Envoy through this configuration any more.
+            let _closing = cfg.shared.open.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+            cfg.shared.closed.store(true, Ordering::Release);
+        }
         cfg.shared.store.stop();
     });
 }
@@ -313,16 +325,27 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(
 // ---------------------------------------------------------------------------------------------
 // Workers
 
-/// One worker's coordinator for one configuration.
+/// One worker's coordinator for one configuration: touched by its Envoy worker thread in hooks,
+/// and by a store thread when none of the worker's streams can be woken (see `link.rs`), each
+/// holding the `baton`.
 struct Worker {
     vm: Vm<NativeCalls>,
     link: Arc<Link>,
     shared: Arc<Shared>,
     next_stream: Cell<u32>,
+    baton: Baton,
 }
 
+// SAFETY: every use of the worker's state (the coordinator, its host calls' cells, the stream
+// pointers) holds the baton, whose lock orders one thread's uses before the next's; a thread
+// other than the worker's touches no stream (`NativeCalls::set_elsewhere`) and records no
+// histogram (Envoy keeps those per worker thread).
+unsafe impl Send for Worker {}
+// SAFETY: as above.
+unsafe impl Sync for Worker {}
+
 thread_local! {
-    static WORKERS: RefCell<HashMap<u64, Rc<Worker>>> = RefCell::new(HashMap::new());
+    static WORKERS: RefCell<HashMap<u64, Arc<Worker>>> = RefCell::new(HashMap::new());
 }
 
 fn seed() -> u64 {
@@ -330,16 +353,18 @@ fn seed() -> u64 {
 }
 
 impl Worker {
-    fn of(cfg: &FilterConfig) -> Option<Rc<Worker>> {
+    fn of(cfg: &FilterConfig) -> Option<Arc<Worker>> {
         WORKERS.with(|workers| {
             let mut workers = workers.try_borrow_mut().ok()?;
             // Configurations destroyed since (a reload) leave their workers behind until here.
             workers.retain(|_, w| !w.shared.closed.load(Ordering::Acquire));
             if let Some(w) = workers.get(&cfg.serial) {
-                return Some(Rc::clone(w));
+                return Some(Arc::clone(w));
             }
-            let w = Rc::new(Worker::new(cfg)?);
-            workers.insert(cfg.serial, Rc::clone(&w));
+            let w = Arc::new(Worker::new(cfg)?);
+            let weak: Weak<dyn DrainHere> = Arc::downgrade(&w) as Weak<dyn DrainHere>;
+            w.link.serve(weak);
+            workers.insert(cfg.serial, Arc::clone(&w));
             Some(w)
         })
     }
@@ -356,7 +381,17 @@ impl Worker {
             }
         };
         vm.run(|c| c.set_up(&NativeEnv, seed()));
-        Some(Worker { vm, link, shared: Arc::clone(&cfg.shared), next_stream: Cell::new(1) })
+        let baton = Baton::default();
+        Some(Worker { vm, link, shared: Arc::clone(&cfg.shared), next_stream: Cell::new(1), baton })
+    }
+
+    /// The worker's thread takes the baton for a hook; see [`Hook`].
+    fn hook(&self) -> Hook<'_> {
+        let held = self.baton.take();
+        if held.outermost {
+            self.vm.host().record_deferred();
+        }
+        Hook { worker: self, held: Some(held) }
     }
 
     fn new_stream(&self) -> u32 {
@@ -376,29 +411,68 @@ impl Worker {
             let _ = self.vm.host().set_effective_context(ROOT);
             let at = At(at_us);
             match event {
-                Event::Message { token, id, bytes } => {
-                    self.vm.run(|c| c.on_stream_message(token, &bytes, &at));
-                    if let Some(stream) = self.vm.host().answered(id) {
-                        self.vm.host().release(stream);
-                    }
-                }
-                Event::Tick => {
-                    self.vm.run(|c| c.on_tick(&at));
-                    for stream in self.vm.host().overdue(at_us.saturating_sub(HOLD_AT_MOST_US)) {
-                        self.vm.host().release(stream);
-                    }
-                }
-                Event::Wake => {
-                    self.vm.run(|c| c.on_queue_ready(&at));
-                }
-            }
+                Event::Message { token, bytes } => self.vm.run(|c| c.on_stream_message(token, &bytes, &at)),
+                Event::Tick => self.vm.run(|c| c.on_tick(&at)),
+                Event::Wake => self.vm.run(|c| c.on_queue_ready(&at)),
+            };
         }
+    }
+
+    /// Queued events, run on this thread, not the worker's (see `link.rs`).
+    fn drain_elsewhere(&self) {
+        let _open = self.shared.open.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.shared.closed.load(Ordering::Acquire) {
+            // Envoy destroyed the configuration: its metrics are gone, and so are its streams.
+            let _ = self.link.take(None);
+            return;
+        }
+        let _held = self.baton.take();
+        // A stream that paused while this thread waited for the baton carries them (its
+        // scheduler took the queue when it registered), and may be what they are for.
+        if !self.link.unwakeable() {
+            return;
+        }
+        self.vm.host().set_elsewhere(true);
+        while self.link.pending() {
+            self.drain(None);
+        }
+        self.vm.host().set_elsewhere(false);
     }
 
     /// Stream `id`'s hook runs now.
     fn enter(&self, id: u32) {
         self.vm.enter(id);
         let _ = self.vm.host().set_effective_context(id);
+    }
+}
+
+impl DrainHere for Worker {
+    fn drain_here(&self) -> bool {
+        if self.baton.held_here() {
+            return false;
+        }
+        self.drain_elsewhere();
+        true
+    }
+}
+
+/// A hook on the worker's thread holds the baton; as the outermost one ends, events that no
+/// stream can carry any more (its last stream just ended, or never paused) run here.
+struct Hook<'a> {
+    worker: &'a Worker,
+    held: Option<Held<'a>>,
+}
+
+impl Drop for Hook<'_> {
+    fn drop(&mut self) {
+        let outermost = self.held.as_ref().is_some_and(|h| h.outermost);
+        if outermost {
+            let w = self.worker;
+            while w.link.pending() && w.link.unwakeable() {
+                w.drain(None);
+            }
+        }
+        self.held = None;
     }
 }
 
@@ -409,7 +483,7 @@ impl Worker {
 /// another of the same stream's hooks inside it.
 pub struct Filter {
     id: u32,
-    worker: Option<Rc<Worker>>,
+    worker: Option<Arc<Worker>>,
     scheduler: Cell<Option<Scheduler>>,
     /// The machine is done with the stream: later hooks return at once.
     passive: Cell<bool>,
@@ -428,8 +502,12 @@ impl Filter {
                 done: Cell::new(true),
             };
         };
-        let id = worker.new_stream();
-        worker.vm.host().add_stream(id, envoy);
+        let id = {
+            let _hook = worker.hook();
+            let id = worker.new_stream();
+            worker.vm.host().add_stream(id, envoy);
+            id
+        };
         Filter {
             id,
             worker: Some(worker),
@@ -460,6 +538,7 @@ impl Filter {
         event: impl FnOnce(&mut Machine, &NativeView) -> Step,
     ) -> Action {
         let Some(w) = &self.worker else { return Action::Continue };
+        let _hook = w.hook();
         w.drain(None);
         if self.passive.get() {
             return Action::Continue;
@@ -478,33 +557,9 @@ impl Filter {
         action
     }
 
-    /// Holding a response's end: a guarded response's last frame sends its commit (or release)
-    /// and is held until the store has answered it. Envoy 1.40 lets another thread onto a
-    /// worker only through a live stream's scheduler: an answer that came after the worker's last
-    /// stream ended would wait for its next stream, and so would the counters and bookkeeping it
-    /// brings. It costs that frame one store round trip, and a retry that comes right after the
-    /// answer finds the record, never the lock.
-    fn response_end(
-        &self,
-        envoy: abi::HttpFilterEnvoyPtr,
-        end: bool,
-        event: impl FnOnce(&mut Machine, &NativeView) -> Step,
-    ) -> Action {
-        let Some(w) = &self.worker else { return Action::Continue };
-        if !end || self.passive.get() {
-            return self.event(envoy, event);
-        }
-        w.vm.host().response_end(Some(self.id));
-        let action = self.event(envoy, event);
-        if w.vm.host().response_end(None) {
-            self.wake_through(w, envoy);
-            return Action::Pause;
-        }
-        action
-    }
-
     fn stream_done(&self, envoy: abi::HttpFilterEnvoyPtr) {
         let Some(w) = &self.worker else { return };
+        let _hook = w.hook();
         if self.done.replace(true) {
             return;
         }
@@ -520,6 +575,7 @@ impl Filter {
         // A stream Envoy destroys without completing it still ends in the coordinator.
         self.stream_done(std::ptr::null_mut());
         let Some(w) = &self.worker else { return };
+        let _hook = w.hook();
         w.vm.host().remove_stream(self.id);
         if let Some(Scheduler(ptr)) = self.scheduler.get() {
             w.link.remove_scheduler(self.id);
@@ -631,10 +687,11 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
         // SAFETY: a live stream's module pointer.
         let Some(f) = (unsafe { filter(module) }) else { return abi::HeadersStatus::CONTINUE };
         if let Some(w) = &f.worker {
+            let _hook = w.hook();
             w.enter(f.id);
             w.vm.restore_content_type(f.id);
         }
-        headers_status(f.response_end(envoy, end_of_stream, |m, v| m.on_response_headers(v, end_of_stream)))
+        headers_status(f.event(envoy, |m, v| m.on_response_headers(v, end_of_stream)))
     })
 }
 
@@ -647,9 +704,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     guard("response_body", abi::BodyStatus::CONTINUE, || {
         // SAFETY: a live stream's module pointer.
         let Some(f) = (unsafe { filter(module) }) else { return abi::BodyStatus::CONTINUE };
-        body_status(f.response_end(envoy, end_of_stream, |m, v| {
-            m.on_response_body(v, v.response_body_size(), end_of_stream)
-        }))
+        body_status(f.event(envoy, |m, v| m.on_response_body(v, v.response_body_size(), end_of_stream)))
     })
 }
 
@@ -661,7 +716,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
     guard("response_trailers", abi::TrailersStatus::CONTINUE, || {
         // SAFETY: a live stream's module pointer.
         let Some(f) = (unsafe { filter(module) }) else { return abi::TrailersStatus::CONTINUE };
-        trailers_status(f.response_end(envoy, true, |m, v| m.on_response_trailers(v)))
+        trailers_status(f.event(envoy, |m, v| m.on_response_trailers(v)))
     })
 }
 
@@ -688,6 +743,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
         // SAFETY: a live stream's module pointer.
         let Some(f) = (unsafe { filter(module) }) else { return };
         if let Some(w) = &f.worker {
+            let _hook = w.hook();
             w.drain(Some(f.id));
         }
     });

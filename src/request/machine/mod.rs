@@ -313,6 +313,14 @@ impl Machine {
         matches!(self.state, State::Done)
     }
 
+    /// The replay listener's answer is on its way: the trailers that follow its message.
+    pub fn answer_trailers(&self) -> Option<&[(String, String)]> {
+        match &self.state {
+            State::HopAnswering { trailers } => Some(trailers),
+            _ => None,
+        }
+    }
+
     /// True while the store key waits for the request body (inbox mode, the message id is in
     /// it): a guarded request whose request headers may no longer be readable when the key
     /// comes (`pause_on_headers: false`), so the host reads what it needs of them now.

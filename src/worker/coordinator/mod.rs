@@ -303,6 +303,11 @@ impl Coordinator {
         self.restore.remove(&stream)
     }
 
+    /// The trailers that follow this stream's local answer (the replay listener's), if any.
+    pub fn answer_trailers(&self, stream: u32) -> Option<Vec<(String, String)>> {
+        self.streams.get(&stream).and_then(|e| e.machine.answer_trailers()).map(<[_]>::to_vec)
+    }
+
     pub fn on_respond_failed(&mut self, stream: u32) {
         self.restore.remove(&stream);
     }

@@ -287,6 +287,8 @@ fn the_replay_listener_answers_the_record_and_adds_its_trailers() {
     let [Effect::Respond(r)] = step.effects.as_slice() else { panic!("{step:?}") };
     assert_eq!((r.status, r.body.as_slice()), (200, frame(b"order 1").as_slice()));
     assert!(r.headers.contains(&("x-idempotent-replay".into(), "true".into())));
+    // A host that sends trailers with its answer (the native one) reads them here.
+    assert_eq!(s.answer_trailers(), Some([("grpc-status".to_string(), "0".to_string())].as_slice()));
     let mut reply = MockView::default();
     reply.resp(":status", "200").resp("content-length", "13");
     assert_eq!(
@@ -299,7 +301,7 @@ fn the_replay_listener_answers_the_record_and_adds_its_trailers() {
         s.on_response_body(&MockView::default(), 8, true),
         Step::go(vec![Effect::AddResponseTrailers(vec![("grpc-status".into(), "0".into())])])
     );
-    assert!(s.is_done());
+    assert!(s.is_done() && s.answer_trailers().is_none());
 
     // Anything else gets an error status, never an empty OK.
     for (path, body) in [(CREATE, hop_record.clone()), (g::HOP_PATH, b"IDR2 garbage".to_vec())] {
