@@ -627,8 +627,11 @@ def test_sentinel_old_master_returns_and_fails_back(sentinel_stack, upstream, no
     converts it, seconds later) and whatever is written to b after a's promotion is discarded
     when b resyncs from a. idemstore must follow within FOLLOW_BOUND_S of the sentinels naming
     a (fresh keys' records on a), every request is answered, and a key runs twice only if its
-    first execution was recorded on b before idemstore could follow."""
-    st = sentinel_stack("sentinel-failback", stores=1, password_via="env", scheme="redis")
+    first execution was recorded on b before idemstore could follow. On the native host the
+    module's store follows instead, its passwords from the files (the harness gives the module
+    no idemstore's environment: `harness.native_store_of`)."""
+    st = sentinel_stack("sentinel-failback", stores=1, password_via="file" if h.native() else "env",
+                        scheme="redis")
     s = st.sentinels
     a, b = s.first_master, s.first_replica
     (store, store_port), = st.rs.stores
