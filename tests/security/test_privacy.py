@@ -17,14 +17,14 @@ JSON = ("content-type", "application/json")
 # an application's own answer would (what the application puts in its answer is its business).
 FIXED = ("x-test-body", '{"order":"o-1"}')
 WASM_LINE = re.compile(r"\[wasm\].*wasm log")
+DECISION = re.compile(r"request (\S+) key ([0-9a-f]{12}|-): idempotency\.(\w+)")
+FAULT = re.compile(r"request (\S+) key ([0-9a-f]{12}): store Begin \(try 1\): (.+)$")
 
 
 def filter_line(line: str) -> bool:
     """A log line of the filter: the wasm VM's (`wasm log`), or the native host's (component
     `dynamic_modules`, prefixed `idempotency:`)."""
     return h.is_filter_log_line(line) if h.native() else bool(WASM_LINE.search(line))
-DECISION = re.compile(r"request (\S+) key ([0-9a-f]{12}|-): idempotency\.(\w+)")
-FAULT = re.compile(r"request (\S+) key ([0-9a-f]{12}): store Begin \(try 1\): (.+)$")
 
 
 def redis_dump(port: int) -> bytes:
