@@ -1287,7 +1287,8 @@ def test_drill_no_healthy_store_endpoint(run_dir, artifacts, upstream, note):
     request hangs: all run unguarded (2xx), counted; the first three fail at once, the last
     two after the begin timeout. On the native host the store speaks to Redis itself (no store
     cluster, no health check in its path): `refused` (a Redis port nothing listens on) and
-    `blackhole` (a Redis that never answers) are what remain, and hold the same bounds."""
+    `blackhole` (a Redis that never answers) are what remain: `refused` fails at once, and no
+    `blackhole` request is held past the begin's timeout."""
     sub = run_dir / "drills-no-healthy"
     double = StoreDouble(sub, name="store-double-unhealthy")
     hole = Blackhole()
@@ -1339,7 +1340,11 @@ def test_drill_no_healthy_store_endpoint(run_dir, artifacts, upstream, note):
             if n in names:
                 assert max(hold[n]) < 0.3, (n, sorted(hold[n])[-3:])  # at once, not after the timeout
         for n in ("unhealthy_panic", "blackhole"):
-            if n in names:
+            # On the native host the store's own Redis client also gives up on a connection that
+            # never answers its handshake (its `timeout_ms`, 1 s) and fails the calls waiting on
+            # it then, which may come before a begin's deadline (measured: 469 ms after one came
+            # in, "answered status 503"): each request is still held at most the bound above.
+            if n in names and not h.native():
                 assert min(hold[n]) >= bound - 0.02, (n, sorted(hold[n])[:3])
         if not h.native():
             assert stats["cluster.store_unhealthy.upstream_rq_total"] == 0, stats
