@@ -968,6 +968,7 @@ def test_records_survive_redis_sigkill(shipped, note, run_dir):
 
 @pytest.fixture
 def kill_stack(run_dir, artifacts, upstream):
+    h.skip_on_native("native host: no idemstore to kill, the store runs in Envoy's process")
     sub = run_dir / "drills-idemstore-kill"
     redis, rport = h.start_redis(sub)
     store = envoy = None
@@ -993,6 +994,8 @@ def test_drill_idemstore_killed_and_restarted(kill_stack, upstream, note):
     Open: every request 2xx, the unguarded ones counted exactly. Closed: a 503 store-unavailable
     problem while the store is down and the upstream never ran those keys then; never an
     unguarded execution. `degraded` = unguarded + refused, `unavailable` = refused."""
+    h.skip_on_native("native host: no idemstore to kill, the store runs in Envoy's process; its outage is "
+                     "its Redis's (test_drill_redis_stopped_and_restarted)")
     k = kill_stack
     envoy: h.Envoy = k["envoy"]
     h.wait_for(lambda: host_healthy(envoy), "idemstore healthy", envoy.proc, timeout=10)
@@ -1101,6 +1104,9 @@ def test_drill_slow_store_is_bounded(run_dir, artifacts, upstream, note):
     idemstore). With store_timeout_ms 300 and lock_wait_ms 200 a request is held no longer than
     the begin's timeout (500 ms) plus a little, then runs unguarded: each counted once on
     `degraded`, each an Envoy callout timeout, no commit ever sent. 6 clients for 3 s."""
+    h.skip_on_native("native host: the store double speaks idemstore's HTTP API to callouts; a store that "
+                     "stops answering is test_store_freeze's frozen Redis and the blackhole of "
+                     "test_drill_no_healthy_store_endpoint")
     sub = run_dir / "drills-slow"
     real, real_port = h.start_idemstore(sub)
     double = StoreDouble(sub, target=real_port)
@@ -1163,6 +1169,8 @@ def test_drill_garbage_store_fails_open(run_dir, artifacts, upstream, note):
     the filter logs one store fault per request, no commit or release is ever sent, and the VM
     never fails (no wasm vm_reload, no new V8 VM, no panic or trap in the log). Then the double
     relays a real idemstore: the filter guards and replays as before."""
+    h.skip_on_native("native host: no store answers to decode, the store runs in Envoy's process (the "
+                     "store double speaks idemstore's HTTP API to callouts)")
     from support import store_double
 
     variants = list(store_double.VARIANTS)
@@ -1277,7 +1285,10 @@ def test_drill_no_healthy_store_endpoint(run_dir, artifacts, upstream, note):
     host is never called), `unhealthy_panic` (the same with Envoy's default 50 % panic
     threshold: the hung host is called anyway) and `blackhole` (connects, never answers). No
     request hangs: all run unguarded (2xx), counted; the first three fail at once, the last
-    two after the begin timeout."""
+    two after the begin timeout. On the native host the store speaks to Redis itself (no store
+    cluster, no health check in its path): `refused` (a Redis port nothing listens on) and
+    `blackhole` (a Redis that never answers) are what remain: `refused` fails at once, and no
+    `blackhole` request is held past the begin's timeout."""
     sub = run_dir / "drills-no-healthy"
     double = StoreDouble(sub, name="store-double-unhealthy")
     hole = Blackhole()
@@ -1297,13 +1308,16 @@ def test_drill_no_healthy_store_endpoint(run_dir, artifacts, upstream, note):
         blackhole = h.store_cluster(hole.port, name="store_blackhole")
         clusters = [nohosts, refused, unhealthy, panic, blackhole]
         names = ["nohosts", "refused", "unhealthy", "unhealthy_panic", "blackhole"]
+        if h.native():
+            names = ["refused", "blackhole"]
         # Per call: the breaker off (test_store_freeze.py has a store timing out with it on).
         cfg = {"store_timeout_ms": NH_TIMEOUT_MS, "lock_wait_ms": NH_WAIT_MS, "breaker_open_ms": 0,
                "local_fallback": False}
         envoy = drill_envoy(sub, "envoy", {n: {**cfg, "store_cluster": f"store_{n}"} for n in names}, upstream.port,
                             artifacts["wasm"], extra_clusters=clusters)
-        h.wait_for(lambda: host_failed_hc(envoy, "store_unhealthy") and host_failed_hc(envoy, "store_unhealthy_panic"),
-                   "the unhealthy hosts marked", envoy.proc, timeout=10)
+        if not h.native():
+            h.wait_for(lambda: host_failed_hc(envoy, "store_unhealthy") and host_failed_hc(envoy, "store_unhealthy_panic"),
+                       "the unhealthy hosts marked", envoy.proc, timeout=10)
         before = envoy.counters()
         stats0 = envoy.stats(r"^cluster\.store_\w+\.(upstream_cx_none_healthy|upstream_rq_timeout|upstream_rq_total)$")
         load = Load({n: envoy.port(n) for n in names}, h.new_key("nohealthy"), mix=names, workers=len(names), pin=True,
@@ -1323,10 +1337,17 @@ def test_drill_no_healthy_store_endpoint(run_dir, artifacts, upstream, note):
             assert per[n], n
             assert max(hold[n]) < bound + 0.3, (n, sorted(hold[n])[-3:])
         for n in ("nohosts", "refused", "unhealthy"):
-            assert max(hold[n]) < 0.3, (n, sorted(hold[n])[-3:])  # at once, not after the timeout
+            if n in names:
+                assert max(hold[n]) < 0.3, (n, sorted(hold[n])[-3:])  # at once, not after the timeout
         for n in ("unhealthy_panic", "blackhole"):
-            assert min(hold[n]) >= bound - 0.02, (n, sorted(hold[n])[:3])
-        assert stats["cluster.store_unhealthy.upstream_rq_total"] == 0, stats
+            # On the native host the store's own Redis client also gives up on a connection that
+            # never answers its handshake (its `timeout_ms`, 1 s) and fails the calls waiting on
+            # it then, which may come before a begin's deadline (measured: 469 ms after one came
+            # in, "answered status 503"): each request is still held at most the bound above.
+            if n in names and not h.native():
+                assert min(hold[n]) >= bound - 0.02, (n, sorted(hold[n])[:3])
+        if not h.native():
+            assert stats["cluster.store_unhealthy.upstream_rq_total"] == 0, stats
         if h.streams():
             # A stream per worker, not a callout per call: Envoy's per-call counters do not
             # apply; each call failed in the filter (a stream that could not open, or silent

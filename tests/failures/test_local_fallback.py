@@ -16,6 +16,8 @@ the counting upstream), that:
 
 The store cluster has no health check: with idemstore killed every store call is refused at
 once, the breaker (which counts only timeouts) stays closed and each request tries the store.
+On the native host the store runs in Envoy's process: the outage is its Redis killed (and
+restarted on the same port), every store call again refused at once.
 """
 
 from __future__ import annotations
@@ -67,12 +69,21 @@ class Outage:
 
     def kill_store(self) -> None:
         """SIGKILL idemstore, then wait until its port refuses connections (the outage is real
-        before any request is sent)."""
+        before any request is sent). On the native host the store runs in Envoy's process, on
+        this Redis: the Redis is killed instead."""
+        if h.native():
+            self.redis.kill()
+            h.wait_for(lambda: not accepts(self.redis_port), f"redis port {self.redis_port} refusing", timeout=10)
+            return
         self.store.kill()
         h.wait_for(lambda: not accepts(self.store_port), f"idemstore port {self.store_port} refusing", timeout=10)
 
     def restart_store(self) -> None:
-        """idemstore again on the same port (the Envoys' cluster names that port), until /healthz 200."""
+        """idemstore again on the same port (the Envoys' cluster names that port), until /healthz 200;
+        on the native host, a Redis again on the port the module's `store` names, until PING."""
+        if h.native():
+            self.redis, _ = h.start_redis(self.sub, port=self.redis_port)
+            return
         self.store, _ = h.start_idemstore(self.sub, self.redis_url, port=self.store_port)
 
     def stop(self) -> None:

@@ -2,7 +2,8 @@
 whether the upstream executed it. Keys that are not keys, bodies at and past the limit, framing
 that lies, HTTP/2 trailers, odd methods. Whoever rejects a row (Envoy's codec or the filter),
 nothing unguarded runs for a request that carried a key the filter could not honour, and the VM
-keeps serving: the last test checks that no wasm failure counter moved and no panic was logged.
+keeps serving: the last test checks that no wasm failure counter moved and no panic was logged
+(on the native host: Envoy still runs and answers, and the module logged no caught panic).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 import pytest
 
 from support import harness as h
-from support.checks import PANIC, REPLAY, assert_problem
+from support.checks import PANIC, REPLAY, assert_problem, vm_failure_stats
 from support.h2client import H2Client, H2Error
 
 MEMORY_ONLY = pytest.mark.parametrize("stack", ["memory"], indirect=True)
@@ -225,9 +226,9 @@ def test_hostile_input(stack, vm_before, name):
 
 def vm_stats(stack) -> dict[str, int]:
     """Counters that move when a wasm VM fails (trap -> reload under FAIL_RELOAD, or refused
-    within the reload backoff) and the number of V8 VMs ever created (a reload creates one)."""
-    stats = stack.envoy.stats(r"^wasm\.")
-    assert "wasm.idempotency.vm_reload" in stats and "wasm.envoy.wasm.runtime.v8.created" in stats, stats
+    within the reload backoff) and the number of V8 VMs ever created (a reload creates one);
+    on the native host, {} once Envoy is seen running and LIVE (`checks.vm_failure_stats`)."""
+    stats = vm_failure_stats(stack.envoy)
     return {k: v for k, v in stats.items() if "fail" in k or "reload" in k or "backoff" in k or k.endswith(".created")}
 
 

@@ -13,7 +13,8 @@ import pytest
 from support import harness as h
 from support.checks import log_panics, panic_lines
 
-# The forms a wasm panic or trap takes in Envoy's log (one line each, as Envoy 1.40 writes them).
+# The forms a wasm panic or trap, or a native host's caught panic, takes in Envoy's log (one line
+# each, as Envoy 1.40 writes them).
 PANICS = {
     "rust_panic": "[2026-12-03 10:00:00.000][17][critical][wasm] [source/extensions/common/wasm/context.cc:1199]"
                   " wasm log idempotency idempotency: panicked at src/machine.rs:120:9: boom",
@@ -22,6 +23,11 @@ PANICS = {
     "runtime_error": "[2026-12-03 10:00:00.000][17][error][wasm] Uncaught RuntimeError: memory access out of bounds",
     "wasm_trap": "[2026-12-03 10:00:00.000][17][error][wasm] wasm trap: integer divide by zero",
     "failed_state": "[2026-12-03 10:00:00.000][17][warning][wasm] VM is in a failed state",
+    # The native host's: its panic hook's line, then its hook guard's (src/host/native/module.rs).
+    "native_panic": "[2026-12-03 10:00:00.000][17][error][dynamic_modules] [:] idempotency: panic: panicked at"
+                    " src/request/mod.rs:120:9: boom",
+    "native_caught": "[2026-12-03 10:00:00.000][17][error][dynamic_modules] [:] idempotency: a panic in"
+                     " request_headers was caught; the stream goes on unguarded",
 }
 
 # Lines of a healthy run that look close (a "panic threshold", a refused configuration).

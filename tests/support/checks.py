@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from .harness import ROOT, Response
+from .harness import ROOT, Envoy, Response, http_get_status, native
 
 REPLAY = "x-idempotent-replay"
 
@@ -46,9 +46,27 @@ def retryable_of(code: str) -> bool:
     return documented(code)[1]
 
 
-# A wasm panic or trap in an Envoy log line.
-PANIC = re.compile(r"panicked at|Uncaught RuntimeError|wasm trap|Function: proxy_on_\w+ failed|VM is in a failed state",
-                   re.IGNORECASE)
+# A wasm panic or trap in an Envoy log line, or a panic the native host caught (its panic hook
+# logs `panic: panicked at ...`, then its hook guard `a panic in <hook> was caught; the stream
+# goes on unguarded`: src/host/native/module.rs `guard`).
+PANIC = re.compile(r"panicked at|Uncaught RuntimeError|wasm trap|Function: proxy_on_\w+ failed|VM is in a failed state"
+                   r"|a panic in \w+ was caught", re.IGNORECASE)
+
+
+def vm_failure_stats(envoy: Envoy, pattern: str = r"^wasm\.") -> dict[str, int]:
+    """The counters that move when the wasm filter's VM fails (a trap reloads it under
+    FAIL_RELOAD, or is refused within the reload backoff) and the number of V8 VMs ever created
+    (a reload creates one), among the /stats matching `pattern`. The native host has no VM to
+    fail or reload: a panic in one of its hooks is caught and logged (`PANIC`), anything worse
+    is Envoy's crash; so there it checks that Envoy is still running and its admin says LIVE,
+    and returns {} (the callers compare before and after, and check the log for `PANIC`)."""
+    if native():
+        assert envoy.proc.alive(), envoy.proc.describe(60)
+        assert http_get_status(envoy.admin_port, "/ready", timeout=5)[1].strip() == b"LIVE", envoy.proc.describe(60)
+        return {}
+    stats = envoy.stats(pattern)
+    assert "wasm.idempotency.vm_reload" in stats and "wasm.envoy.wasm.runtime.v8.created" in stats, stats
+    return stats
 
 
 def panic_lines(text: str) -> list[str]:

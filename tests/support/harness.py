@@ -675,8 +675,10 @@ def redis_ping(port: int, host: str = LOOPBACK) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def start_redis(run_dir: Path) -> tuple[Proc, int]:
-    port = free_port()
+def start_redis(run_dir: Path, port: int | None = None) -> tuple[Proc, int]:
+    """redis-server on `port` (default: a free one; a given one: e.g. the port of a Redis that
+    was killed, which the native host's `store` still names), without persistence."""
+    port = port or free_port()
     data = run_dir / f"redis-{port}"
     data.mkdir(parents=True, exist_ok=True)
     proc = start(
