@@ -335,6 +335,21 @@ async fn redis_outage_fails_fast_and_recovers() {
     common::listening(&store, 2).await;
 }
 
+/// Redis restarted while the connection sat idle: the first call after the restart meets the
+/// dead socket and goes again on a new connection, instead of failing (its request would run
+/// unguarded, and a retry elsewhere a second time).
+#[tokio::test]
+async fn a_restart_while_idle_fails_no_call() {
+    let port = free_port();
+    let redis = RedisServer::start_on(port).await;
+    let store = redis.store();
+    common::begin_locks_then_replays(&store).await;
+    drop(redis);
+    let _redis = RedisServer::start_on(port).await;
+    let begun = store.begin(&common::key(), &common::hash('a'), common::TTL, common::WAIT).await;
+    assert!(matches!(begun, Ok(Begin::Locked { .. })), "{begun:?}");
+}
+
 /// Started before Redis: the lazy connection comes up once Redis does.
 #[tokio::test]
 async fn starts_before_redis() {

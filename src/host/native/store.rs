@@ -13,8 +13,8 @@ use idem_protocol::stream::{Answer, Call};
 use idem_store::backend::access::{redact, Access, AccessArgs};
 use idem_store::backend::memory::MemoryBackend;
 use idem_store::backend::redis::RedisBackend;
-use idem_store::backend::Backend as StoreBackend;
-use idem_store::store::Store;
+use idem_store::backend::{Backend as StoreBackend, BackendError};
+use idem_store::store::{Observer, Op, Store};
 use tokio::runtime::{Handle, Runtime};
 
 use super::settings::{Backend, StoreSettings};
@@ -29,8 +29,29 @@ trait Serve: Send + Sync {
     fn serve(&self, call: Call) -> Answering;
 }
 
+/// What the store tells Envoy's log of its calls: a refusal the operator must fix (an ACL
+/// permission, credentials, TLS), once per cause, as idemstore's health check would (the module
+/// has none); outages are the filter's to count (`store_errors`, `degraded`).
+struct Refusals;
+
+impl Observer for Refusals {
+    fn for_backend<B: StoreBackend>(_: &B) -> Self {
+        Refusals
+    }
+
+    fn wait_started(&self) {}
+
+    fn wait_ended(&self, _: Duration) {}
+
+    fn call_failed(&self, op: Op, error: &BackendError, _: Duration) {
+        if matches!(error, BackendError::Refused(_)) {
+            error.log(&format!("store {op:?}"));
+        }
+    }
+}
+
 struct Served<B> {
-    store: Arc<Store<B>>,
+    store: Arc<Store<B, Refusals>>,
     max_record_bytes: usize,
 }
 

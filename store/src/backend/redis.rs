@@ -131,10 +131,23 @@ impl Standalone {
     }
 }
 
+/// A call that failed on a connection found dropped (Redis restarted while it sat idle: the
+/// first call after the restart meets the dead socket) goes once more, on the connection the
+/// manager makes again. Without it that call failed and its request ran unguarded: a retry
+/// through another replica ran a second time. A call the old Redis may have run before the
+/// connection dropped is safe to send again: a begin then meets its own lock (the client is
+/// told the request is in flight), a commit or release its own token.
+fn dropped(reply: &RedisResult<impl Sized>) -> bool {
+    reply.as_ref().is_err_and(|e| e.is_connection_dropped() && !e.is_connection_refusal())
+}
+
 impl ConnectionLike for Standalone {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a ::redis::Cmd) -> ::redis::RedisFuture<'a, Value> {
         Box::pin(async move {
-            let reply = self.manager()?.req_packed_command(cmd).await;
+            let mut reply = self.manager()?.req_packed_command(cmd).await;
+            if dropped(&reply) {
+                reply = self.manager()?.req_packed_command(cmd).await;
+            }
             if let Err(e) = &reply {
                 self.after_error(e);
             }
@@ -149,7 +162,10 @@ impl ConnectionLike for Standalone {
         count: usize,
     ) -> ::redis::RedisFuture<'a, Vec<Value>> {
         Box::pin(async move {
-            let reply = self.manager()?.req_packed_commands(cmd, offset, count).await;
+            let mut reply = self.manager()?.req_packed_commands(cmd, offset, count).await;
+            if dropped(&reply) {
+                reply = self.manager()?.req_packed_commands(cmd, offset, count).await;
+            }
             if let Err(e) = &reply {
                 self.after_error(e);
             }
