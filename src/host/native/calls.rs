@@ -137,20 +137,16 @@ impl HostCalls for NativeCalls {
         let status = reply.status.to_string();
         let body = reply.body.unwrap_or_default();
         let length = body.len().to_string();
+        let header = |(k, v): &(String, String)| ModuleHttpHeader::new(k.as_bytes(), v.as_bytes());
         let mut headers = Vec::with_capacity(reply.headers.len() + 2);
         headers.push(ModuleHttpHeader::new(b":status", status.as_bytes()));
-        headers.extend(reply.headers.iter().map(|(k, v)| ModuleHttpHeader::new(k.as_bytes(), v.as_bytes())));
+        headers.extend(reply.headers.iter().map(header));
         // A gRPC answer (trailers follow) says no length.
         let sized = reply.headers.iter().any(|(k, _)| k == "content-length");
         if !body.is_empty() && reply.trailers.is_none() && !sized {
             headers.push(ModuleHttpHeader::new(b"content-length", length.as_bytes()));
         }
-        let trailers: Vec<ModuleHttpHeader> = reply
-            .trailers
-            .unwrap_or_default()
-            .iter()
-            .map(|(k, v)| ModuleHttpHeader::new(k.as_bytes(), v.as_bytes()))
-            .collect();
+        let trailers: Vec<ModuleHttpHeader> = reply.trailers.unwrap_or_default().iter().map(header).collect();
         // SAFETY: a live stream (removed from `streams` when destroyed); every buffer outlives
         // the calls, which copy them.
         unsafe {

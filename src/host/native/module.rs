@@ -391,7 +391,7 @@ impl Worker {
         if held.outermost {
             self.vm.host().record_deferred();
         }
-        Hook { worker: self, held: Some(held) }
+        Hook { worker: self, held }
     }
 
     fn new_stream(&self) -> u32 {
@@ -457,22 +457,21 @@ impl DrainHere for Worker {
 }
 
 /// A hook on the worker's thread holds the baton; as the outermost one ends, events that no
-/// stream can carry any more (its last stream just ended, or never paused) run here.
+/// stream can carry any more (its last stream just ended, or never paused) run here, before
+/// `held` hands the baton back.
 struct Hook<'a> {
     worker: &'a Worker,
-    held: Option<Held<'a>>,
+    held: Held<'a>,
 }
 
 impl Drop for Hook<'_> {
     fn drop(&mut self) {
-        let outermost = self.held.as_ref().is_some_and(|h| h.outermost);
-        if outermost {
+        if self.held.outermost {
             let w = self.worker;
             while w.link.pending() && w.link.unwakeable() {
                 w.drain(None);
             }
         }
-        self.held = None;
     }
 }
 
@@ -686,11 +685,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     guard("response_headers", abi::HeadersStatus::CONTINUE, || {
         // SAFETY: a live stream's module pointer.
         let Some(f) = (unsafe { filter(module) }) else { return abi::HeadersStatus::CONTINUE };
-        if let Some(w) = &f.worker {
-            let _hook = w.hook();
-            w.enter(f.id);
-            w.vm.restore_content_type(f.id);
-        }
         headers_status(f.event(envoy, |m, v| m.on_response_headers(v, end_of_stream)))
     })
 }
