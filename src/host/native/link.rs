@@ -5,7 +5,7 @@
 //! A worker with no stream to wake (its last one ended before the answer came: a response's
 //! commit is answered after the response, a client that went away leaves a release behind) is
 //! not woken: the thread that brings the event runs the worker's coordinator itself, holding
-//! the worker's baton as a hook would, with no stream to touch (see `Worker::drain_here`).
+//! the worker's baton as a hook would, with no stream to touch (see `worker.rs`).
 //! Envoy learns of the event at once (its counters), not at the worker's next stream.
 //!
 //! Shutdown safety: Envoy's scheduler holds the worker's dispatcher by plain reference, so a

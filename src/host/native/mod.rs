@@ -5,7 +5,8 @@
 //! Envoy's process: idemstore's backends on the module's own threads (`store`).
 //!
 //! * `abi`: the hand-written bindings to Envoy 1.40's module ABI, each checked in the real binary.
-//! * `module`: the hooks Envoy calls; configurations, workers, streams.
+//! * `module`: the hooks Envoy calls; configurations and streams. `worker`: each worker's
+//!   coordinator for a configuration, and who may drive it.
 //! * `calls`: `HostCalls` over the ABI (the store stream served in process); `view`: the
 //!   core's `StreamView`; `env`: the clock and the process-wide shared data; `metrics`.
 //! * `link`: how the store's threads hand a worker its answers (the stream schedulers, or the
@@ -38,3 +39,5 @@ mod store;
 mod trace;
 #[cfg(feature = "native")]
 mod view;
+#[cfg(feature = "native")]
+mod worker;
